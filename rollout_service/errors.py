@@ -1,0 +1,87 @@
+"""All error types of the service, flat. Messages say how to fix the problem.
+
+``http_status`` and ``code`` are what the gateway puts on the wire; workers store
+``code`` as a failed job's typed reason.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class RolloutError(Exception):
+    http_status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+class ConfigError(RolloutError):
+    code = "config_error"
+
+
+class ValidationError(RolloutError):
+    http_status = 400
+    code = "invalid_request"
+
+
+class UnknownName(ValidationError):
+    code = "unknown_name"
+
+    def __init__(self, what: str, name: str, valid: Iterable[str]) -> None:
+        super().__init__(f"unknown {what} {name!r}; valid: {', '.join(sorted(valid))}")
+
+
+class Unauthorized(RolloutError):
+    http_status = 401
+    code = "unauthorized"
+
+
+class NotFound(RolloutError):
+    http_status = 404
+    code = "not_found"
+
+
+class Conflict(RolloutError):
+    http_status = 409
+    code = "conflict"
+
+
+class StoreUnavailable(RolloutError):
+    http_status = 503
+    code = "store_unavailable"
+
+
+class BackendError(RolloutError):
+    """An inference server could not be reached or answered nonsense."""
+
+    http_status = 502
+    code = "backend_error"
+
+
+class NoBackendAvailable(BackendError):
+    code = "no_backend"
+
+
+class SandboxError(RolloutError):
+    """A sandbox failed to start, answer, or stop (not a tool error: those are observations)."""
+
+    code = "sandbox_error"
+
+
+class TaskError(RolloutError):
+    """A domain handler could not prepare or score a task."""
+
+    code = "task_error"
+
+
+class RedeliveryLimit(RolloutError):
+    code = "redelivery_limit"
+
+
+class DeadlineExceeded(RolloutError):
+    code = "deadline"

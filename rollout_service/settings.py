@@ -1,0 +1,83 @@
+"""Every setting of the service, once, read from ``ROLLOUT_*`` environment variables.
+
+The unit of a setting is part of its name. ``Settings.from_env()`` is the only reader of
+the environment; processes call ``get_settings()``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def _default_sandbox() -> str:
+    return "bwrap" if shutil.which("bwrap") else "local"
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = ""  # empty: an embedded redis-server under state_dir
+    state_dir: str = "./.rollout"
+    port: int = 8006
+    flower_port: int = 5555
+    reference_port: int = 8100
+    reference_model: str = ""  # empty: the tiny model built under state_dir
+    api_token: str = ""
+    gateway_workers: int = 2
+    init_concurrency: int = 2
+    run_concurrency: int = 32
+    eval_concurrency: int = 2
+    control_concurrency: int = 4
+    job_ttl_s: int = 7 * 24 * 3600
+    job_deadline_s: float = 1800.0
+    visibility_timeout_s: int = 4 * 3600
+    max_redeliveries: int = 3
+    lease_ttl_s: int = 60
+    llm_call_timeout_s: float = 300.0
+    llm_connect_retries: int = 2
+    backend_probe_interval_s: float = 5.0
+    max_turns: int = 20
+    max_new_tokens: int = 1024
+    sandbox: str = field(default_factory=_default_sandbox)
+    sandbox_memory_mb: int = 2048
+    sandbox_max_procs: int = 256
+    sandbox_cpu_time_s: int = 3600
+    sandbox_ttl_s: int = 2 * 3600
+    tool_timeout_s: float = 120.0
+    tool_output_cap_bytes: int = 32 * 1024
+    eval_timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(f"ROLLOUT_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = type(f.default) if f.default is not dataclasses.MISSING else str
+            try:
+                values[f.name] = kind(raw)
+            except ValueError as exc:
+                from rollout_service.errors import ConfigError
+
+                raise ConfigError(
+                    f"ROLLOUT_{f.name.upper()}={raw!r} is not a valid {kind.__name__}; "
+                    f"unset it or give a {kind.__name__}"
+                ) from exc
+        return cls(**values)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).resolve()
+
+    def replace(self, **changes: object) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings.from_env()
