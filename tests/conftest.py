@@ -1,0 +1,30 @@
+"""Shared fixtures: a real redis-server per test session, flushed between tests."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import redis
+
+from rollout_service.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    yield client
+    client.close()
