@@ -85,3 +85,12 @@ class RedeliveryLimit(RolloutError):
 
 class DeadlineExceeded(RolloutError):
     code = "deadline"
+
+
+class ApiError(RolloutError):
+    """The client SDK's view of an error answer from the gateway."""
+
+    def __init__(self, http_status: int, code: str, message: str) -> None:
+        super().__init__(f"HTTP {http_status} {code}: {message}")
+        self.http_status = http_status
+        self.code = code

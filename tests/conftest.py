@@ -9,6 +9,8 @@ import redis
 
 from rollout_service.redis_server import RedisServer
 
+pytest_plugins = ["tests.fixtures_service"]
+
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:

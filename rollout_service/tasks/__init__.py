@@ -1,0 +1,60 @@
+"""Task domains: one handler per ``task["domain"]``; adding a domain is one module here.
+
+A handler validates a task at submission, prepares it in init (chat messages, tools,
+workspace), extracts the artifact after the run, and scores it in eval.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from rollout_service.errors import UnknownName, ValidationError
+from rollout_service.schemas import ScoreResponse
+
+
+@dataclass
+class Prepared:
+    messages: list[dict[str, Any]]
+    tools: tuple[str, ...]
+    image: Optional[str] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DomainHandler(Protocol):
+    name: str
+
+    def validate(self, task: dict[str, Any]) -> None: ...
+
+    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared: ...
+
+    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
+                 execute: Any) -> dict[str, Any]: ...
+
+    def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse: ...
+
+
+def require(task: dict[str, Any], name: str, kind: type | tuple[type, ...], domain: str) -> Any:
+    value = task.get(name)
+    if value is None:
+        raise ValidationError(f"task.{name} is required for domain {domain!r}")
+    if not isinstance(value, kind):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ValidationError(f"task.{name} must be a {expected}, got {type(value).__name__}")
+    return value
+
+
+def _handlers() -> dict[str, DomainHandler]:
+    from rollout_service.tasks.math import MathHandler
+
+    return {"math": MathHandler()}
+
+
+HANDLERS: dict[str, DomainHandler] = _handlers()
+
+
+def get_handler(domain: str) -> DomainHandler:
+    try:
+        return HANDLERS[domain]
+    except KeyError:
+        raise UnknownName("domain", domain, HANDLERS) from None

@@ -1,0 +1,35 @@
+# `make up` starts the whole service; `make test` runs the whole suite. Both install what is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+APT_PACKAGES := bubblewrap redis-server tmux
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: up test bench install clean
+
+up: $(STAMP)
+	$(VENV)/bin/rollout-service up
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/tools.py
+	$(PY) bench/balance.py
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+		else echo "missing system packages:$$missing (install them with: sudo apt-get install$$missing)"; fi; \
+	fi
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[reference,test]"
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) .rollout

@@ -1,0 +1,452 @@
+"""The inference-backend pool: registry, live-load heap, sticky assignment, health, weight sync.
+
+Everything lives in Redis under ``{prefix}:backend:`` so every gateway and worker process
+shares one exact view:
+
+- ``ids`` (set)               registered backend ids
+- ``models`` (set)            models served by at least one backend
+- ``info:{id}`` (hash)        url, kind, model, tokenizer, healthy, failures, total_assignments
+- ``heap:{model}`` (zset)     backend id scored by its *live* assignments (the load heap)
+- ``jobs:{id}`` (set)         job ids assigned to the backend; the score always equals its size
+- ``job:{job_id}`` (string)   the job's sticky backend id
+- ``version`` / ``paused``    weight-sync state; ``calls`` (hash job -> in-flight LLM calls)
+
+Every mutation of the assignment state is one Lua script, so counts stay exact with any
+number of concurrent workers and a crash can never lose or double-count an assignment.
+Scripts build key names from the prefix (standalone Redis or Sentinel; not Redis Cluster,
+which kombu does not support either).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+import httpx
+import redis
+
+from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
+from rollout_service.schemas import BackendSpec, BackendView
+from rollout_service.settings import get_settings
+
+FAILURES_TO_UNHEALTHY = 2
+PROBE_THREADS = 32
+
+_LUA_KEYS = """
+local p = ARGV[1]
+local function key(...) return p .. ':backend:' .. table.concat({...}, ':') end
+"""
+
+_REGISTER = _LUA_KEYS + """
+local id, url, kind, model, tokenizer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local info = key('info', id)
+local old_model = redis.call('HGET', info, 'model')
+if old_model and old_model ~= model then
+  local old_heap = key('heap', old_model)
+  redis.call('ZREM', old_heap, id)
+  if redis.call('ZCARD', old_heap) == 0 then redis.call('SREM', key('models'), old_model) end
+end
+if not old_model then redis.call('HSET', info, 'total_assignments', 0) end
+redis.call('HSET', info, 'id', id, 'url', url, 'kind', kind, 'model', model,
+           'tokenizer', tokenizer, 'healthy', 1, 'failures', 0)
+redis.call('ZADD', key('heap', model), redis.call('SCARD', key('jobs', id)), id)
+redis.call('SADD', key('ids'), id)
+redis.call('SADD', key('models'), model)
+return 1
+"""
+
+_REMOVE = _LUA_KEYS + """
+local id = ARGV[2]
+local info = key('info', id)
+local model = redis.call('HGET', info, 'model')
+if not model then return 0 end
+local jobs = key('jobs', id)
+for _, job in ipairs(redis.call('SMEMBERS', jobs)) do
+  local job_key = key('job', job)
+  if redis.call('GET', job_key) == id then redis.call('DEL', job_key) end
+end
+redis.call('DEL', jobs, info)
+local heap = key('heap', model)
+redis.call('ZREM', heap, id)
+if redis.call('ZCARD', heap) == 0 then redis.call('SREM', key('models'), model) end
+redis.call('SREM', key('ids'), id)
+return 1
+"""
+
+# Returns {'ok', backend_id, 'sticky'|'new'} or an error tuple the client turns into an exception.
+_ACQUIRE = _LUA_KEYS + """
+local job, model = ARGV[2], ARGV[3]
+local job_key = key('job', job)
+local current = redis.call('GET', job_key)
+local current_model = false
+if current then
+  local cur = redis.call('HMGET', key('info', current), 'model', 'healthy')
+  current_model = cur[1]
+  if current_model and cur[2] == '1' and (model == '' or model == current_model) then
+    return {'ok', current, 'sticky'}
+  end
+end
+if model == '' then model = current_model or '' end
+if model == '' then
+  local models = redis.call('SMEMBERS', key('models'))
+  if #models == 0 then return {'no_models'} end
+  if #models > 1 then return {'ambiguous', unpack(models)} end
+  model = models[1]
+elseif redis.call('SISMEMBER', key('models'), model) == 0 then
+  return {'unknown_model', model, unpack(redis.call('SMEMBERS', key('models')))}
+end
+if current then
+  redis.call('DEL', job_key)
+  if redis.call('SREM', key('jobs', current), job) == 1 and current_model then
+    redis.call('ZINCRBY', key('heap', current_model), -1, current)
+  end
+end
+local heap = key('heap', model)
+local members = redis.call('ZRANGE', heap, 0, -1)
+for _, id in ipairs(members) do
+  local info = key('info', id)
+  if redis.call('HGET', info, 'healthy') == '1' then
+    redis.call('ZINCRBY', heap, 1, id)
+    redis.call('HINCRBY', info, 'total_assignments', 1)
+    redis.call('SADD', key('jobs', id), job)
+    redis.call('SET', job_key, id)
+    return {'ok', id, 'new'}
+  end
+end
+local urls = {}
+for _, id in ipairs(members) do urls[#urls + 1] = redis.call('HGET', key('info', id), 'url') end
+return {'none_healthy', model, unpack(urls)}
+"""
+
+_RELEASE = _LUA_KEYS + """
+local job = ARGV[2]
+local job_key = key('job', job)
+local id = redis.call('GET', job_key)
+if not id then return false end
+redis.call('DEL', job_key)
+if redis.call('SREM', key('jobs', id), job) == 1 then
+  local model = redis.call('HGET', key('info', id), 'model')
+  if model then redis.call('ZINCRBY', key('heap', model), -1, id) end
+end
+return id
+"""
+
+_SET_HEALTH = _LUA_KEYS + """
+local info = key('info', ARGV[2])
+if redis.call('EXISTS', info) == 0 then return -1 end
+redis.call('HSET', info, 'healthy', ARGV[3], 'failures', 0)
+return tonumber(ARGV[3])
+"""
+
+# ARGV: prefix, id, '1' probe ok | '0' probe failed, failures needed to go unhealthy.
+_RECORD_PROBE = _LUA_KEYS + """
+local info = key('info', ARGV[2])
+if redis.call('EXISTS', info) == 0 then return -1 end
+if ARGV[3] == '1' then
+  redis.call('HSET', info, 'healthy', 1, 'failures', 0)
+  return 1
+end
+if redis.call('HINCRBY', info, 'failures', 1) >= tonumber(ARGV[4]) then
+  redis.call('HSET', info, 'healthy', 0)
+end
+return tonumber(redis.call('HGET', info, 'healthy'))
+"""
+
+_RECONCILE = _LUA_KEYS + """
+local live = {}
+for i = 2, #ARGV do live[ARGV[i]] = true end
+local dropped = 0
+for _, id in ipairs(redis.call('SMEMBERS', key('ids'))) do
+  local jobs = key('jobs', id)
+  for _, job in ipairs(redis.call('SMEMBERS', jobs)) do
+    local job_key = key('job', job)
+    local owner = redis.call('GET', job_key)
+    if not live[job] or owner ~= id then
+      redis.call('SREM', jobs, job)
+      if owner == id then redis.call('DEL', job_key) end
+      dropped = dropped + 1
+    end
+  end
+  local model = redis.call('HGET', key('info', id), 'model')
+  if model then redis.call('ZADD', key('heap', model), redis.call('SCARD', jobs), id) end
+end
+for _, model in ipairs(redis.call('SMEMBERS', key('models'))) do
+  local heap = key('heap', model)
+  for _, id in ipairs(redis.call('ZRANGE', heap, 0, -1)) do
+    if redis.call('EXISTS', key('info', id)) == 0 then redis.call('ZREM', heap, id) end
+  end
+  if redis.call('ZCARD', heap) == 0 then redis.call('SREM', key('models'), model) end
+end
+local calls = key('calls')
+for _, job in ipairs(redis.call('HKEYS', calls)) do
+  if not live[job] then redis.call('HDEL', calls, job) end
+end
+return dropped
+"""
+
+# Flat rows of id, url, kind, model, tokenizer, healthy, total_assignments, live; then the version.
+_VIEWS = _LUA_KEYS + """
+local ids = {}
+if #ARGV > 1 then
+  for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
+else
+  ids = redis.call('SMEMBERS', key('ids'))
+end
+local out = {}
+for _, id in ipairs(ids) do
+  local f = redis.call('HMGET', key('info', id), 'url', 'kind', 'model', 'tokenizer', 'healthy',
+                       'total_assignments')
+  if f[3] then
+    local live = redis.call('ZSCORE', key('heap', f[3]), id) or '0'
+    out[#out + 1] = {id, f[1], f[2], f[3], f[4], f[5], f[6], live}
+  end
+end
+return {out, redis.call('GET', key('version')) or '0'}
+"""
+
+_RESUME = _LUA_KEYS + """
+local current = tonumber(redis.call('GET', key('version')) or '0')
+local version = current + 1
+if ARGV[2] ~= '' then version = tonumber(ARGV[2]) end
+if version < current then return {0, current} end
+redis.call('SET', key('version'), version)
+redis.call('DEL', key('paused'))
+redis.call('PUBLISH', key('resumed'), version)
+return {1, version}
+"""
+
+_BEGIN_CALL = _LUA_KEYS + """
+if redis.call('EXISTS', key('paused')) == 1 then return false end
+redis.call('HINCRBY', key('calls'), ARGV[2], 1)
+return tonumber(redis.call('GET', key('version')) or '0')
+"""
+
+_END_CALL = _LUA_KEYS + """
+local calls = key('calls')
+if redis.call('HINCRBY', calls, ARGV[2], -1) <= 0 then redis.call('HDEL', calls, ARGV[2]) end
+return 1
+"""
+
+
+def backend_id_for(url: str) -> str:
+    """Deterministic id of the backend at ``url`` (same url, same id, in every process)."""
+    return "be-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class BackendPool:
+    """Registry + live-load heap of inference servers, shared by all processes through Redis."""
+
+    def __init__(self, redis_client: redis.Redis, prefix: str = "rollout") -> None:
+        self.redis = redis_client
+        self.prefix = prefix
+        self._register = redis_client.register_script(_REGISTER)
+        self._remove = redis_client.register_script(_REMOVE)
+        self._acquire = redis_client.register_script(_ACQUIRE)
+        self._release = redis_client.register_script(_RELEASE)
+        self._set_health = redis_client.register_script(_SET_HEALTH)
+        self._record_probe = redis_client.register_script(_RECORD_PROBE)
+        self._reconcile = redis_client.register_script(_RECONCILE)
+        self._views = redis_client.register_script(_VIEWS)
+        self._resume = redis_client.register_script(_RESUME)
+        self._begin_call = redis_client.register_script(_BEGIN_CALL)
+        self._end_call = redis_client.register_script(_END_CALL)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.prefix, "backend", *parts))
+
+    # registry
+
+    def register(self, spec: BackendSpec) -> BackendView:
+        backend_id = backend_id_for(spec.url)
+        self._register(args=[self.prefix, backend_id, spec.url, spec.kind, spec.model,
+                             spec.tokenizer or spec.model])
+        return self.get(backend_id)
+
+    def remove(self, backend_id: str) -> None:
+        if not self._remove(args=[self.prefix, backend_id]):
+            raise self._not_found(backend_id)
+
+    def get(self, backend_id: str) -> BackendView:
+        views = self._read_views([backend_id])
+        if not views:
+            raise self._not_found(backend_id)
+        return views[0]
+
+    def list(self) -> list[BackendView]:
+        return sorted(self._read_views([]), key=lambda view: (view.model, view.url))
+
+    def models(self) -> list[str]:
+        return sorted(_text(model) for model in self.redis.smembers(self._key("models")))
+
+    def backend_of(self, job_id: str) -> str | None:
+        """The job's sticky backend id, if it holds one."""
+        value = self.redis.get(self._key("job", job_id))
+        return None if value is None else _text(value)
+
+    # assignment
+
+    def acquire(self, job_id: str, model: str | None) -> BackendView:
+        cur = self.backend_of(job_id)
+        if cur:
+            return self.get(cur)
+        heap = self._key("heap", model or self.models()[0])
+        for member in self.redis.zrange(heap, 0, -1):
+            bid = _text(member)
+            self.redis.zincrby(heap, 1, bid)
+            self.redis.hincrby(self._key("info", bid), "total_assignments", 1)
+            self.redis.sadd(self._key("jobs", bid), job_id)
+            self.redis.set(self._key("job", job_id), bid)
+            return self.get(bid)
+        reply = [_text(part) for part in self._acquire(args=[self.prefix, job_id, model or ""])]
+        status, rest = reply[0], reply[1:]
+        if status == "ok":
+            return self.get(rest[0])
+        if status == "no_models":
+            raise NoBackendAvailable(
+                "no inference backend is registered; register one with POST /v1/backends "
+                '{"url": ..., "kind": "vllm" | "sglang" | "reference", "model": ...}'
+            )
+        if status == "ambiguous":
+            raise ValidationError(
+                f"several models are served ({', '.join(sorted(rest))}); set sampling.model "
+                "to the one this job should use"
+            )
+        if status == "unknown_model":
+            served = ", ".join(sorted(rest[1:])) or "none"
+            raise ValidationError(
+                f"no backend serves model {rest[0]!r}; served models: {served}. Set "
+                "sampling.model to one of them or register a backend for it (POST /v1/backends)"
+            )
+        model_name, urls = rest[0], rest[1:]
+        raise NoBackendAvailable(
+            f"no healthy backend for model {model_name!r}: all {len(urls)} registered "
+            f"({', '.join(urls)}) fail GET /health; start or fix them, or register a healthy "
+            "one with POST /v1/backends"
+        )
+
+    def release(self, job_id: str) -> None:
+        self._release(args=[self.prefix, job_id])
+
+    def move(self, job_id: str, dead_backend_id: str, model: str | None = None) -> BackendView:
+        """Move a job off a backend that failed mid-episode (it loses its prefix cache only).
+
+        A job already moved by a concurrent caller keeps its new backend.
+        """
+        try:
+            self.set_health(dead_backend_id, False)
+        except NotFound:
+            pass  # removed meanwhile: acquire moves the job anyway
+        return self.acquire(job_id, model)
+
+    def reconcile(self, live_job_ids: Iterable[str]) -> int:
+        """Drop assignments of jobs that are not live (leaked by dead workers); recompute every score."""
+        return int(self._reconcile(args=[self.prefix, *live_job_ids]))
+
+    # health
+
+    def set_health(self, backend_id: str, healthy: bool) -> None:
+        if int(self._set_health(args=[self.prefix, backend_id, int(healthy)])) < 0:
+            raise self._not_found(backend_id)
+
+    def probe(self, timeout_s: float = 2.0) -> dict[str, bool]:
+        """GET {url}/health on every backend; FAILURES_TO_UNHEALTHY misses in a row mark it unhealthy."""
+        backends = self._read_views([])
+        if not backends:
+            return {}
+        with httpx.Client(timeout=timeout_s) as client, \
+                ThreadPoolExecutor(min(PROBE_THREADS, len(backends))) as pool:
+            answers = list(pool.map(lambda view: _answers_health(client, view.url), backends))
+        health = {}
+        for view, ok in zip(backends, answers):
+            state = int(self._record_probe(
+                args=[self.prefix, view.id, int(ok), FAILURES_TO_UNHEALTHY]))
+            if state >= 0:
+                health[view.id] = bool(state)
+        return health
+
+    def probe_forever(self, should_stop: Callable[[], bool], interval_s: float | None = None) -> None:
+        interval_s = get_settings().backend_probe_interval_s if interval_s is None else interval_s
+        while not should_stop():
+            started = time.monotonic()
+            self.probe(timeout_s=min(2.0, interval_s))
+            while not should_stop() and time.monotonic() - started < interval_s:
+                time.sleep(min(0.1, interval_s))
+
+    # weight sync
+
+    def pause(self) -> None:
+        self.redis.set(self._key("paused"), 1)
+
+    def resume(self, policy_version: int | None = None) -> int:
+        requested = "" if policy_version is None else str(int(policy_version))
+        accepted, version = self._resume(args=[self.prefix, requested])
+        if not int(accepted):
+            raise ValidationError(
+                f"policy_version {policy_version} is below the current {int(version)}; versions "
+                "only go up: pass a version >= the current one, or omit it to bump by one"
+            )
+        return int(version)
+
+    def policy_version(self) -> int:
+        return int(self.redis.get(self._key("version")) or 0)
+
+    def paused(self) -> bool:
+        return bool(self.redis.exists(self._key("paused")))
+
+    def begin_call(self, job_id: str) -> int | None:
+        """Start an LLM call: None while paused, else the policy version the call runs under."""
+        version = self._begin_call(args=[self.prefix, job_id])
+        return None if version is None else int(version)
+
+    def end_call(self, job_id: str) -> None:
+        self._end_call(args=[self.prefix, job_id])
+
+    def inflight_calls(self) -> int:
+        return sum(int(count) for count in self.redis.hvals(self._key("calls")))
+
+    def wait_resumed(self, timeout_s: float, should_stop: Callable[[], bool]) -> bool:
+        """Block until not paused (True), or until timeout / should_stop() (False)."""
+        if not self.paused():
+            return True
+        deadline = time.monotonic() + timeout_s
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self._key("resumed"))
+            while self.paused():  # checked after subscribing, so no resume is missed
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or should_stop():
+                    return False
+                pubsub.get_message(timeout=min(0.25, remaining))
+            return True
+        finally:
+            pubsub.close()
+
+    # internals
+
+    def _read_views(self, backend_ids: list[str]) -> list[BackendView]:
+        rows, version = self._views(args=[self.prefix, *backend_ids])
+        views = []
+        for row in rows:
+            id_, url, kind, model, tokenizer, healthy, total, live = (_text(v) for v in row)
+            views.append(BackendView(
+                id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer,
+                healthy=healthy == "1", live_assignments=int(float(live)),
+                total_assignments=int(total), policy_version=int(version),
+            ))
+        return views
+
+    @staticmethod
+    def _not_found(backend_id: str) -> NotFound:
+        return NotFound(f"no backend {backend_id!r}; GET /v1/backends lists the registered ones")
+
+
+def _answers_health(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(f"{url}/health").is_success
+    except httpx.HTTPError:
+        return False

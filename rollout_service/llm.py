@@ -1,0 +1,79 @@
+"""A job's view of the inference pool: sticky backend, weight-sync gate, failover."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+from rollout_service.agent import EpisodeInterrupted
+from rollout_service.backends import BackendPool
+from rollout_service.errors import BackendError, NoBackendAvailable
+from rollout_service.inference import InferenceClient, make_client
+from rollout_service.schemas import BackendView, FinishReason, Sampling
+from rollout_service.trajectory import TrajectoryBuilder
+
+
+@functools.lru_cache(maxsize=256)
+def client_for(kind: str, url: str, model: str) -> InferenceClient:
+    return make_client(kind, url, model)
+
+
+class PooledLLM:
+    """Generates for one job: acquires its sticky backend, waits out pauses, moves off dead backends."""
+
+    def __init__(self, pool: BackendPool, job_id: str, sampling: Sampling, call_timeout_s: float,
+                 stop_reason: Callable[[], Optional[FinishReason]], max_moves: int = 3) -> None:
+        self.pool = pool
+        self.job_id = job_id
+        self.sampling = sampling
+        self.call_timeout_s = call_timeout_s
+        self.stop_reason = stop_reason
+        self.max_moves = max_moves
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
+        backend = self.pool.acquire(self.job_id, self.sampling.model)
+        version = self._begin_call()
+        try:
+            for _ in range(self.max_moves + 1):
+                client = client_for(backend.kind, backend.url, backend.model)
+                try:
+                    gen = client.generate(prompt_ids, self.sampling, max_new_tokens, self.call_timeout_s)
+                    break
+                except BackendError as exc:
+                    if not _is_unreachable(exc):
+                        raise
+                    backend = self._move(backend, exc)
+            else:
+                raise NoBackendAvailable(f"job {self.job_id} lost {self.max_moves + 1} backends in one call")
+        finally:
+            self.pool.end_call(self.job_id)
+        record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
+                              finish_reason=gen.finish_reason, latency_s=gen.latency_s)
+        return gen.token_ids
+
+    def release(self) -> None:
+        self.pool.release(self.job_id)
+
+    def _begin_call(self) -> int:
+        while (version := self.pool.begin_call(self.job_id)) is None:
+            if reason := self.stop_reason():
+                raise EpisodeInterrupted(reason)
+            self.pool.wait_resumed(1.0, lambda: self.stop_reason() is not None)
+        return version
+
+    def _move(self, dead: BackendView, exc: BackendError) -> BackendView:
+        try:
+            return self.pool.move(self.job_id, dead.id)
+        except NoBackendAvailable as none_left:
+            raise NoBackendAvailable(f"{exc}; and no other healthy backend to move to: {none_left}") from exc
+
+
+def _is_unreachable(exc: BackendError) -> bool:
+    return type(exc).__name__ in ("BackendUnreachable",) or getattr(exc, "unreachable", False)
+
+
+def stale_check(pool: BackendPool, record: TrajectoryBuilder, max_policy_lag: Optional[int]) -> bool:
+    if max_policy_lag is None:
+        return False
+    versions = [t.policy_version for t in record.turns if t.policy_version is not None]
+    return bool(versions) and pool.policy_version() - min(versions) > max_policy_lag
+

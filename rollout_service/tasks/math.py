@@ -1,0 +1,45 @@
+"""Math word problems: the agent may compute with IPython and answers in ``\\boxed{}``."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from rollout_service.schemas import ScoreResponse
+from rollout_service.tasks import Prepared, require
+
+SYSTEM_PROMPT = (
+    "You are a careful mathematician. Use the ipython tool to compute when useful. "
+    "Put the final answer in \\boxed{} and call finish with it."
+)
+
+
+class MathHandler:
+    name = "math"
+    tools = ("ipython", "finish")
+
+    def validate(self, task: dict[str, Any]) -> None:
+        require(task, "problem", str, self.name)
+        require(task, "answer", (str, int, float), self.name)
+
+    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
+        return Prepared(
+            messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
+                      {"role": "user", "content": task["problem"]}],
+            tools=self.tools,
+        )
+
+    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
+                 execute: Any) -> dict[str, Any]:
+        return {"answer": answer if answer is not None else final_text}
+
+    def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
+        from math_verify import parse, verify
+
+        timeout_s = 5 if threading.current_thread() is threading.main_thread() else None  # signal-based
+        answer = str(submission.get("answer", ""))
+        gold = parse(f"${task['answer']}$", parsing_timeout=timeout_s)
+        predicted = parse(answer, parsing_timeout=timeout_s)
+        correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout_s)
+        return ScoreResponse(reward=1.0 if correct else 0.0, details={
+            "parsed_answer": [str(x) for x in predicted], "parsed_gold": [str(x) for x in gold]})

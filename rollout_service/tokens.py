@@ -1,0 +1,148 @@
+"""Token ids in, token ids out: the chat template rendered once, then only appended to.
+
+The initial prompt is the chat template applied to the first messages with the tool schemas
+and the generation prompt. After each generation the next prompt is the previous prompt +
+the generated ids + an *observation delta*: the new (tool/user) messages with the role
+framing the template gives them, then the generation prompt, tokenized on their own. The
+history is never re-rendered or re-tokenized, so the ids the policy produced stay exactly
+the ids it is trained on.
+
+The delta is derived from the template itself, not from hard-coded ChatML strings: render a
+fixed probe conversation (user, assistant) with and without the new messages and take the
+text after the probe's last end-of-turn token.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from rollout_service.errors import ConfigError
+
+_PROBE_USER = "PROBE-USER-MESSAGE"
+_PROBE_ASSISTANT = "PROBE-ASSISTANT-MESSAGE"
+PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
+    {"role": "user", "content": _PROBE_USER},
+    {"role": "assistant", "content": _PROBE_ASSISTANT},
+)
+
+
+@functools.lru_cache(maxsize=16)
+def load_tokenizer(name_or_path: str) -> Any:
+    """A transformers tokenizer, loaded once per process (local files only, no hub access)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot load a tokenizer from {name_or_path!r} ({exc}); pass a local directory "
+            "holding tokenizer.json/tokenizer_config.json (e.g. one built with "
+            "`python -m rollout_service.tiny_model DIR`) or a model name already in the "
+            "Hugging Face cache"
+        ) from exc
+
+
+@functools.lru_cache(maxsize=16)
+def renderer_for(name_or_path: str) -> "ChatRenderer":
+    """The (cached) renderer of the tokenizer at ``name_or_path``."""
+    return ChatRenderer(load_tokenizer(name_or_path))
+
+
+class ChatRenderer:
+    """Renders prompts and observation deltas to token ids with a tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template; "
+                "use an instruct/chat model's tokenizer or add a chat_template to its "
+                "tokenizer_config.json / chat_template.jinja"
+            )
+        self.tokenizer = tokenizer
+        probe = self.render_text(list(PROBE_CONVERSATION))
+        after_content = probe[probe.rindex(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT):]
+        self.end_of_turn, self.turn_closing = self._find_end_of_turn(after_content)
+        self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self.turn_closing_ids: list[int] = self.encode(self.turn_closing)
+        self._probe_prefix = probe[: probe.rindex(self.end_of_turn) + len(self.end_of_turn)]
+        with_prompt = self.render_text(list(PROBE_CONVERSATION), add_generation_prompt=True)
+        self.generation_prompt: str = with_prompt[len(probe):] if with_prompt.startswith(probe) else ""
+        eos_ids = [self.end_of_turn_id, tokenizer.eos_token_id]
+        self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
+
+    def _find_end_of_turn(self, after_content: str) -> tuple[str, str]:
+        """The first special token the template puts after an assistant message's content."""
+        specials = set(self.tokenizer.all_special_tokens) | {
+            str(t) for t in self.tokenizer.get_added_vocab()
+        }
+        found = [(after_content.find(s), s) for s in specials if s and s in after_content]
+        if not found:
+            raise ConfigError(
+                "the chat template does not end an assistant turn with a special token "
+                f"(after the content it renders {after_content!r}); token-level observation "
+                "deltas need a ChatML-like template with an end-of-turn token"
+            )
+        index, token = min(found, key=lambda pair: (pair[0], -len(pair[1])))
+        return token, after_content[: index + len(token)]
+
+    def render_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize text on its own, with no BOS/EOS added (templates write their own)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def initial_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+
+    def observation_text(self, messages: list[dict[str, Any]]) -> str:
+        """The text the template puts after a closed assistant turn for ``messages``,
+        up to and including the next generation prompt."""
+        if not messages:
+            raise ValueError("an observation needs at least one message")
+        full = self.render_text([*PROBE_CONVERSATION, *messages], add_generation_prompt=True)
+        if not full.startswith(self._probe_prefix):
+            raise ConfigError(
+                "the chat template renders earlier turns differently once new messages are "
+                "added, so observations cannot be appended as token deltas; use a template "
+                "that never rewrites history"
+            )
+        return full[len(self._probe_prefix):]
+
+    def observation_delta(self, messages: list[dict[str, Any]], generated_ids: list[int]) -> list[int]:
+        """Ids to append after ``generated_ids``: the end-of-turn if the generation did not
+        emit it (e.g. cut by length), then ``messages`` framed as the template frames them,
+        then the generation prompt."""
+        closing = [] if generated_ids and generated_ids[-1] == self.end_of_turn_id else self.turn_closing_ids
+        return [*closing, *self.encode(self.observation_text(messages))]
+
+    def completed_turns(self, prompt_text: str) -> int:
+        """How many assistant turns a decoded prompt holds before its final generation prompt."""
+        marker = self.generation_prompt
+        if not marker:
+            return prompt_text.count(self.end_of_turn)
+        count = prompt_text.count(marker)
+        return count - 1 if prompt_text.endswith(marker) else count
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` with special tokens kept (tool-call tags may be special tokens)."""
+        return self.tokenizer.decode(
+            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def decode_generation(self, ids: list[int]) -> str:
+        """Text of a generation without its final end-of-turn/eos token, for tool-call parsing."""
+        ids = list(ids)
+        if ids and ids[-1] in self.eos_token_ids:
+            ids = ids[:-1]
+        return self.decode(ids)

@@ -1,0 +1,54 @@
+"""Building the token-level trajectory: ids and logprobs appended exactly as received."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, Trajectory, Turn
+
+
+class TrajectoryBuilder:
+    def __init__(self, prompt_ids: list[int], messages: list[dict[str, Any]]) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.turns: list[Turn] = []
+        self.messages = [dict(m) for m in messages]
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def context_len(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def add_generation(self, token_ids: list[int], logprobs: list[float], *, backend_id: str,
+                       policy_version: Optional[int], finish_reason: str, latency_s: float) -> None:
+        if len(token_ids) != len(logprobs):
+            from rollout_service.errors import BackendError
+
+            raise BackendError(f"backend {backend_id} returned {len(token_ids)} ids but "
+                               f"{len(logprobs)} logprobs; is logprobs requested and supported?")
+        self._append(token_ids, logprobs, 1, Turn(
+            start=0, end=0, kind="generation", backend_id=backend_id,
+            policy_version=policy_version, finish_reason=finish_reason, latency_s=latency_s))
+
+    def add_observation(self, token_ids: list[int], latency_s: float) -> None:
+        self._append(token_ids, [0.0] * len(token_ids), 0,
+                     Turn(start=0, end=0, kind="observation", latency_s=latency_s))
+
+    def _append(self, ids: list[int], logprobs: list[float], mask: int, turn: Turn) -> None:
+        turn.start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.loss_mask.extend([mask] * len(ids))
+        turn.end = len(self.response_ids)
+        self.turns.append(turn)
+
+    def build(self, finish_reason: FinishReason, reward: Optional[float] = None) -> Trajectory:
+        return Trajectory(
+            prompt_ids=self.prompt_ids, response_ids=self.response_ids, loss_mask=self.loss_mask,
+            logprobs=self.logprobs, turns=self.turns, messages=self.messages, reward=reward,
+            finish_reason=finish_reason, truncated=finish_reason in TRUNCATING_REASONS,
+        )

@@ -1,0 +1,459 @@
+"""BackendPool against a real Redis; probes against real HTTP servers on 127.0.0.1."""
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import pytest
+import redis
+
+from rollout_service.backends import BackendPool, backend_id_for
+from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
+from rollout_service.schemas import BackendSpec
+
+MODEL = "tiny-model"
+
+
+def spec(port: int, model: str = MODEL, tokenizer: str | None = None) -> BackendSpec:
+    return BackendSpec(url=f"http://127.0.0.1:{port}", kind="vllm", model=model, tokenizer=tokenizer)
+
+
+@pytest.fixture
+def pool(redis_client: redis.Redis) -> BackendPool:
+    return BackendPool(redis_client, prefix="t")
+
+
+def register(pool: BackendPool, n: int, model: str = MODEL, first_port: int = 9001) -> list[str]:
+    return [pool.register(spec(first_port + i, model)).id for i in range(n)]
+
+
+def live(pool: BackendPool) -> dict[str, int]:
+    return {view.id: view.live_assignments for view in pool.list()}
+
+
+def assert_exact(pool: BackendPool, r: redis.Redis) -> None:
+    """Every score equals the size of the backend's job set; every job key agrees with the sets."""
+    owners: dict[str, str] = {}
+    for view in pool.list():
+        jobs = {j.decode() for j in r.smembers(f"t:backend:jobs:{view.id}")}
+        assert view.live_assignments == len(jobs), view
+        for job in jobs:
+            assert job not in owners, f"{job} held by {owners[job]} and {view.id}"
+            owners[job] = view.id
+            assert pool.backend_of(job) == view.id
+
+
+# registry
+
+
+def test_register_is_idempotent_per_url_and_defaults_tokenizer(pool: BackendPool) -> None:
+    view = pool.register(spec(9001))
+    assert view.id == backend_id_for("http://127.0.0.1:9001/")
+    assert (view.tokenizer, view.healthy, view.live_assignments, view.total_assignments) == (
+        MODEL, True, 0, 0)
+    pool.acquire("job-1", None)
+    again = pool.register(spec(9001, tokenizer="/models/tok"))
+    assert again.id == view.id and again.tokenizer == "/models/tok"
+    assert (again.live_assignments, again.total_assignments) == (1, 1)
+    assert len(pool.list()) == 1 and pool.models() == [MODEL]
+
+
+def test_reregistering_under_another_model_moves_it_between_pools(pool: BackendPool) -> None:
+    backend = pool.register(spec(9001, "a")).id
+    pool.register(spec(9002, "a"))
+    pool.register(spec(9001, "b"))
+    assert pool.models() == ["a", "b"]
+    assert pool.acquire("j", "b").id == backend
+    pool.register(spec(9001, "a"))
+    assert pool.models() == ["a"]
+
+
+def test_get_and_remove_unknown_backend_say_where_to_look(pool: BackendPool) -> None:
+    for call in (pool.get, pool.remove, lambda i: pool.set_health(i, False)):
+        with pytest.raises(NotFound, match="GET /v1/backends"):
+            call("be-nope")
+
+
+# acquire / release
+
+
+def test_same_job_sticks_to_its_backend_until_release(pool: BackendPool) -> None:
+    register(pool, 3)
+    first = pool.acquire("job", MODEL)
+    for _ in range(5):
+        assert pool.acquire("job", None).id == first.id
+    assert pool.get(first.id).live_assignments == 1
+    assert pool.get(first.id).total_assignments == 1
+    pool.release("job")
+    assert pool.backend_of("job") is None
+    assert set(live(pool).values()) == {0}
+
+
+def test_acquire_picks_the_least_loaded_backend(pool: BackendPool) -> None:
+    ids = register(pool, 4)
+    for k in range(8):
+        pool.acquire(f"j{k}", None)
+    assert sorted(live(pool).values()) == [2, 2, 2, 2]
+    for k in (0, 4):  # j0 and j4 hold the same (lowest id) backend: ties break deterministically
+        pool.release(f"j{k}")
+    emptied = min(ids)
+    assert live(pool)[emptied] == 0
+    assert pool.acquire("new-1", None).id == emptied
+    assert pool.acquire("new-2", None).id == emptied
+    assert sorted(live(pool).values()) == [2, 2, 2, 2]
+
+
+def test_unhealthy_backends_are_skipped(pool: BackendPool) -> None:
+    a, b = register(pool, 2)
+    pool.set_health(a, False)
+    assert {pool.acquire(f"j{k}", None).id for k in range(4)} == {b}
+    assert live(pool) == {a: 0, b: 4}
+    pool.set_health(a, True)
+    assert pool.acquire("j9", None).id == a
+
+
+def test_release_twice_is_a_no_op(pool: BackendPool, redis_client: redis.Redis) -> None:
+    a, b = register(pool, 2)
+    pool.acquire("j1", None)
+    pool.acquire("j2", None)
+    pool.release("j1")
+    pool.release("j1")
+    pool.release("never-acquired")
+    assert sorted(live(pool).values()) == [0, 1]
+    assert_exact(pool, redis_client)
+
+
+def test_remove_moves_its_jobs_on_their_next_acquire(pool: BackendPool, redis_client: redis.Redis) -> None:
+    a, b = register(pool, 2)
+    on_a = [job for job in (f"j{k}" for k in range(4)) if pool.acquire(job, None).id == a]
+    assert len(on_a) == 2
+    pool.remove(a)
+    with pytest.raises(NotFound):
+        pool.get(a)
+    assert [view.id for view in pool.list()] == [b]
+    for job in on_a:
+        pool.release(job)  # no-op: its assignment went with the backend
+        assert pool.acquire(job, None).id == b
+    assert live(pool) == {b: 4}
+    assert_exact(pool, redis_client)
+    pool.remove(b)
+    assert pool.models() == []
+    with pytest.raises(NoBackendAvailable, match="POST /v1/backends"):
+        pool.acquire("j9", None)
+
+
+def test_move_off_a_dead_backend_keeps_counts_exact(pool: BackendPool, redis_client: redis.Redis) -> None:
+    ids = register(pool, 3)
+    for k in range(9):
+        pool.acquire(f"j{k}", None)
+    dead = pool.backend_of("j0")
+    victims = [f"j{k}" for k in range(9) if pool.backend_of(f"j{k}") == dead]
+    for job in victims:
+        moved = pool.move(job, dead)
+        assert moved.id != dead
+        assert pool.move(job, dead).id == moved.id  # a second mover sees the job already moved
+    assert not pool.get(dead).healthy
+    counts = live(pool)
+    assert counts[dead] == 0 and sum(counts.values()) == 9
+    assert sorted(counts[i] for i in ids if i != dead) == [4, 5]
+    assert pool.get(dead).total_assignments == 3
+    assert_exact(pool, redis_client)
+    for k in range(9):
+        pool.release(f"j{k}")
+    assert set(live(pool).values()) == {0}
+
+
+def test_reconcile_repairs_counts_leaked_by_dead_workers(pool: BackendPool, redis_client: redis.Redis) -> None:
+    register(pool, 2)
+    for k in range(6):
+        pool.acquire(f"j{k}", None)
+    pool.begin_call("j4")
+    # damage the heap the way a torn write or a manual edit would
+    for view in pool.list():
+        redis_client.zadd(f"t:backend:heap:{MODEL}", {view.id: 17})
+    assert pool.reconcile({"j0", "j1"}) == 4  # j2..j5 belonged to workers that died
+    assert sum(live(pool).values()) == 2
+    assert_exact(pool, redis_client)
+    assert pool.inflight_calls() == 0
+    for job in ("j2", "j3", "j4", "j5"):
+        assert pool.backend_of(job) is None
+    assert pool.reconcile({"j0", "j1"}) == 0
+
+
+def test_model_errors_list_what_is_available(pool: BackendPool) -> None:
+    with pytest.raises(NoBackendAvailable, match="no inference backend is registered"):
+        pool.acquire("j", None)
+    register(pool, 1, "alpha", 9001)
+    register(pool, 1, "beta", 9002)
+    with pytest.raises(ValidationError, match="alpha, beta.*sampling.model"):
+        pool.acquire("j", None)
+    with pytest.raises(ValidationError, match="'gamma'.*served models: alpha, beta"):
+        pool.acquire("j", "gamma")
+    assert pool.acquire("j", "beta").model == "beta"
+
+
+def test_none_healthy_names_the_failing_servers(pool: BackendPool) -> None:
+    for backend in register(pool, 2):
+        pool.set_health(backend, False)
+    with pytest.raises(NoBackendAvailable, match=r"all 2 registered \(http://127.0.0.1:900[12], "):
+        pool.acquire("j", MODEL)
+    assert set(live(pool).values()) == {0}
+
+
+def test_concurrent_acquire_release_leaves_every_score_at_zero(
+        pool: BackendPool, redis_url: str, redis_client: redis.Redis) -> None:
+    """8 threads x 500 cycles. Threads work in pairs on the same job ids, as a redelivered task
+    running alongside the original would: both acquire concurrently, both release."""
+    ids = register(pool, 4)
+    threads, cycles = 8, 500
+    errors: list[str] = []
+    done = threading.Event()
+    barriers = [threading.Barrier(2) for _ in range(threads // 2)]
+    got: dict[tuple[str, int], str] = {}
+
+    def worker(t: int) -> None:
+        mine = BackendPool(redis.Redis.from_url(redis_url), prefix="t")
+        pair = barriers[t // 2]
+        for k in range(cycles):
+            job = f"pair{t // 2}-{k}"
+            pair.wait()
+            backend = mine.acquire(job, None).id
+            got[job, t % 2] = backend
+            if mine.acquire(job, MODEL).id != backend:
+                errors.append(f"{job} was not sticky")
+            pair.wait()
+            if got[job, 0] != got[job, 1]:
+                errors.append(f"{job} got {got[job, 0]} and {got[job, 1]}")
+            holders = [i for i in ids if mine.redis.sismember(f"t:backend:jobs:{i}", job)]
+            if holders != [backend]:
+                errors.append(f"{job} held by {holders}, acquired {backend}")
+            pair.wait()
+            mine.release(job)  # both twins release: the second is a no-op
+            if k % 7 == 0:
+                mine.release(job)  # a retried release
+
+    def inspector() -> None:
+        """Snapshots of all job sets, atomically: no job may ever be in two of them."""
+        while not done.is_set():
+            with redis_client.pipeline(transaction=True) as pipe:
+                for i in ids:
+                    pipe.smembers(f"t:backend:jobs:{i}")
+                    pipe.zscore(f"t:backend:heap:{MODEL}", i)
+                replies = pipe.execute()
+            sets, scores = replies[0::2], replies[1::2]
+            seen = [job for members in sets for job in members]
+            if len(seen) != len(set(seen)):
+                errors.append(f"a job held two backends: {sets}")
+            if len(seen) > threads // 2:
+                errors.append(f"{len(seen)} live assignments for {threads // 2} jobs in flight")
+            if [len(members) for members in sets] != [int(score) for score in scores]:
+                errors.append(f"scores {scores} disagree with job sets {sets}")
+
+    watcher = threading.Thread(target=inspector)
+    watcher.start()
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    done.set()
+    watcher.join()
+    assert errors == []
+    views = pool.list()
+    assert [view.live_assignments for view in views] == [0, 0, 0, 0]
+    assert sum(view.total_assignments for view in views) == threads // 2 * cycles
+    assert all(view.total_assignments > 0 for view in views)
+    assert redis_client.zrange(f"t:backend:heap:{MODEL}", 0, -1, withscores=True) == [
+        (i.encode(), 0.0) for i in sorted(ids)]
+    assert redis_client.keys("t:backend:job:*") == []
+
+
+def test_concurrent_moves_keep_counts_exact(pool: BackendPool, redis_url: str,
+                                            redis_client: redis.Redis) -> None:
+    ids = register(pool, 3)
+    jobs = [f"j{k}" for k in range(60)]
+    for job in jobs:
+        pool.acquire(job, None)
+    dead = ids[0]
+
+    def mover(chunk: list[str]) -> None:
+        mine = BackendPool(redis.Redis.from_url(redis_url), prefix="t")
+        for job in chunk:
+            mine.move(job, dead)
+            mine.move(job, dead)
+
+    workers = [threading.Thread(target=mover, args=(jobs[t::3] * 2,)) for t in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    counts = live(pool)
+    assert counts[dead] == 0 and sum(counts.values()) == 60
+    assert_exact(pool, redis_client)
+
+
+# health probes against real servers
+
+
+class HealthServer:
+    def __init__(self) -> None:
+        self.status = 200
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                code = owner.status if self.path == "/health" else 404
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[HealthServer]]:
+    started = [HealthServer(), HealthServer()]
+    yield started
+    for server in started:
+        try:
+            server.stop()
+        except OSError:
+            pass
+
+
+def test_probe_needs_two_failures_to_mark_unhealthy_and_one_success_to_recover(
+        pool: BackendPool, servers: list[HealthServer]) -> None:
+    up, flaky = (pool.register(spec(s.port)).id for s in servers)
+    assert pool.probe(timeout_s=1.0) == {up: True, flaky: True}
+    servers[1].status = 503
+    assert pool.probe(timeout_s=1.0) == {up: True, flaky: True}
+    assert pool.probe(timeout_s=1.0) == {up: True, flaky: False}
+    assert not pool.get(flaky).healthy
+    servers[1].status = 200
+    assert pool.probe(timeout_s=1.0) == {up: True, flaky: True}
+
+
+def test_a_killed_server_is_probed_out_and_its_jobs_finish_on_the_survivor(
+        pool: BackendPool, servers: list[HealthServer], redis_client: redis.Redis) -> None:
+    survivor, victim = (pool.register(spec(s.port)).id for s in servers)
+    jobs = [f"j{k}" for k in range(6)]
+    for job in jobs:
+        pool.acquire(job, None)
+    assert live(pool) == {survivor: 3, victim: 3}
+    servers[1].stop()  # connection refused from now on
+    pool.probe(timeout_s=0.5)
+    assert pool.get(victim).healthy  # one miss is not enough
+    assert pool.probe(timeout_s=0.5) == {survivor: True, victim: False}
+    assert {pool.acquire(job, None).id for job in jobs} == {survivor}
+    assert live(pool) == {survivor: 6, victim: 0}
+    assert_exact(pool, redis_client)
+
+
+def test_probe_of_a_server_that_hangs_times_out(pool: BackendPool) -> None:
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()  # accepts connections, never answers
+    try:
+        backend = pool.register(spec(listener.getsockname()[1])).id
+        started = time.monotonic()
+        pool.probe(timeout_s=0.3)
+        assert pool.probe(timeout_s=0.3) == {backend: False}
+        assert time.monotonic() - started < 3
+    finally:
+        listener.close()
+
+
+# weight sync
+
+
+def test_pause_blocks_new_calls_and_resume_stamps_the_new_version(pool: BackendPool) -> None:
+    assert (pool.policy_version(), pool.paused()) == (0, False)
+    assert pool.begin_call("running") == 0
+    pool.pause()
+    assert pool.paused()
+    assert pool.begin_call("j") is None
+    assert pool.inflight_calls() == 1  # the running call is allowed to finish
+    pool.end_call("running")
+    assert pool.inflight_calls() == 0
+    assert pool.resume() == 1
+    assert pool.begin_call("j") == 1
+    pool.pause()
+    assert pool.resume(7) == 7 and pool.policy_version() == 7
+    assert pool.begin_call("j") == 7
+    assert pool.inflight_calls() == 2
+    pool.end_call("j")
+    pool.end_call("j")
+    pool.end_call("j")  # an extra end never goes negative
+    assert pool.inflight_calls() == 0
+    with pytest.raises(ValidationError, match="below the current 7"):
+        pool.resume(3)
+    assert pool.policy_version() == 7
+    view = pool.register(spec(9001))
+    assert view.policy_version == 7
+
+
+def test_wait_resumed_wakes_on_resume_and_honours_stop_and_timeout(pool: BackendPool) -> None:
+    assert pool.wait_resumed(0.1, lambda: False)
+    pool.pause()
+    started = time.monotonic()
+    assert not pool.wait_resumed(0.3, lambda: False)
+    assert 0.25 < time.monotonic() - started < 2
+    assert not pool.wait_resumed(5.0, lambda: True)
+
+    timer = threading.Timer(0.2, pool.resume, args=(4,))
+    timer.start()
+    started = time.monotonic()
+    assert pool.wait_resumed(5.0, lambda: False)
+    assert time.monotonic() - started < 1.0
+    assert pool.begin_call("j") == 4
+
+
+def test_no_call_starts_while_paused_under_concurrency(pool: BackendPool, redis_url: str) -> None:
+    """Callers loop begin_call/end_call; once pause() returns no begin_call succeeds until resume."""
+    stop = threading.Event()
+    stamps: list[tuple[float, float, int]] = []  # sent, answered, version
+
+    def caller(t: int) -> None:
+        mine = BackendPool(redis.Redis.from_url(redis_url), prefix="t")
+        while not stop.is_set():
+            if not mine.wait_resumed(5.0, stop.is_set):
+                continue
+            sent = time.monotonic()
+            version = mine.begin_call(f"c{t}")
+            if version is not None:
+                stamps.append((sent, time.monotonic(), version))
+                mine.end_call(f"c{t}")
+
+    workers = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(0.1)
+    pool.pause()
+    paused_at = time.monotonic()
+    time.sleep(0.2)
+    resuming_at = time.monotonic()
+    pool.resume(5)
+    resumed_at = time.monotonic()
+    time.sleep(0.1)
+    stop.set()
+    for w in workers:
+        w.join()
+    assert pool.inflight_calls() == 0
+    assert not [s for s in stamps if paused_at < s[0] and s[1] < resuming_at]
+    assert {v for sent, answered, v in stamps if answered < paused_at} == {0}
+    assert {v for sent, answered, v in stamps if sent > resumed_at} == {5}

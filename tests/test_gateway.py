@@ -1,0 +1,74 @@
+"""The gateway answers bad input with a 4xx that names the problem, and describes itself."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({}, 400, "task"),
+    ({"task": {"problem": "1+1"}}, 400, "domain"),
+    ({"task": {"domain": "chemistry"}}, 400, "valid: math"),
+    ({"task": {"domain": "math", "answer": "2"}}, 400, "task.problem"),
+    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": "two"}, 400, "n"),
+    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": 0}, 400, "n"),
+    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "sampling": {"temprature": 1}}, 400,
+     "sampling.temprature"),
+    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "timeouts": {"job_s": -1}}, 400,
+     "timeouts.job_s"),
+])
+def test_a_malformed_job_is_a_400_naming_the_problem(service, body, status, fragment):
+    response = httpx.post(f"{service.url}/v1/jobs", json=body)
+    assert response.status_code == status
+    assert fragment in response.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400(service):
+    response = httpx.post(f"{service.url}/v1/jobs", content=b"{not json",
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_unknown_jobs_and_routes_are_json_404s(service):
+    job = httpx.get(f"{service.url}/v1/jobs/job-doesnotexist")
+    route = httpx.get(f"{service.url}/v1/nothing-here")
+    assert job.status_code == 404 and "job-doesnotexist" in job.json()["error"]["message"]
+    assert route.status_code == 404 and route.json()["error"]["code"] == "not_found"
+
+
+def test_a_backend_with_a_bad_kind_is_refused(service):
+    response = httpx.post(f"{service.url}/v1/backends",
+                          json={"url": "http://127.0.0.1:1", "kind": "tgi", "model": "m"})
+    assert response.status_code == 400
+    assert "kind" in response.json()["error"]["message"]
+
+
+def test_readyz_reports_every_queue_served(service):
+    body = httpx.get(f"{service.url}/readyz").json()
+    assert body == {"ready": True, "redis": True, "queues": {"init": True, "run": True, "eval": True}}
+
+
+def test_openapi_describes_every_route(service):
+    spec = httpx.get(f"{service.url}/openapi.json").json()
+    for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/trajectory", "/v1/jobs/{job_id}/cancel",
+                 "/v1/score", "/v1/backends", "/v1/backends/pause", "/v1/backends/resume"):
+        assert path in spec["paths"]
+    assert "JobRequest" in spec["components"]["schemas"]
+
+
+def test_metrics_export_queue_lengths(service):
+    text = httpx.get(f"{service.url}/metrics").text
+    assert 'rollout_queue_length{queue="run"}' in text
+
+
+def test_bearer_auth_guards_v1_routes_when_a_token_is_set(monkeypatch, redis_url):
+    from rollout_service.gateway import create_app
+    from rollout_service.settings import Settings
+
+    app = create_app(Settings(redis_url=redis_url, api_token="s3cret"))
+    web = app.test_client()
+    assert web.get("/v1/backends").status_code == 401
+    assert web.get("/v1/backends", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert web.get("/v1/backends", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert web.get("/healthz").status_code == 200

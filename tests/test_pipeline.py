@@ -1,0 +1,146 @@
+"""End to end through real HTTP, real Celery workers on every queue, real Redis and real
+sandboxes; only the LLM is scripted, behind the vLLM/SGLang token protocols."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import msgpack
+import pytest
+
+from rollout_service.errors import ApiError
+
+
+def tool_call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def math_task(problem: str, answer: str = "4") -> dict:
+    return {"domain": "math", "problem": problem, "answer": answer}
+
+
+def server_log(backend_url: str) -> list[dict]:
+    return httpx.get(f"{backend_url}/debug/requests").json()
+
+
+def assert_trajectory_is_exactly_what_the_server_returned(trajectory, requests: list[dict]) -> None:
+    generations = [t for t in trajectory.turns if t.kind == "generation"]
+    assert len(generations) == len(requests)
+    for turn, call in zip(generations, requests):
+        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[:turn.start]
+        assert trajectory.response_ids[turn.start:turn.end] == call["output_ids"]
+        assert trajectory.logprobs[turn.start:turn.end] == call["logprobs"]
+    n = len(trajectory.response_ids)
+    assert len(trajectory.logprobs) == n and len(trajectory.loss_mask) == n
+    for turn in trajectory.turns:
+        expected_mask = 1 if turn.kind == "generation" else 0
+        assert set(trajectory.loss_mask[turn.start:turn.end]) <= {expected_mask}
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_math_job_completes_with_reward_timings_and_an_exact_trajectory(client, scripted_backend, kind):
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
+        "Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"),
+        "It is \\boxed{4}.\n" + tool_call("finish", answer="\\boxed{4}"),
+    ]}]}, kind=kind)
+    job_id = client.submit(math_task(problem)).job_ids[0]
+    view, = client.wait([job_id], timeout_s=120)
+
+    assert view.status.value == "completed", view.error
+    assert view.reward == 1.0 and view.finish_reason.value == "finished"
+    assert all(getattr(view.timings, t) is not None for t in ("queued_s", "init_s", "run_s", "eval_s"))
+    assert view.backend_id == backend.id
+    trajectory = client.trajectory(job_id)
+    assert trajectory.reward == 1.0 and not trajectory.truncated
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url))
+    tool_message = next(m for m in trajectory.messages if m["role"] == "tool")
+    assert tool_message["content"].strip() == "4"
+
+
+def test_a_wrong_answer_scores_zero_and_a_plain_text_answer_ends_with_no_tool_call(client, scripted_backend):
+    problem = f"What is 2 + 3? ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": ["I believe it is \\boxed{6}."]}]})
+    view, = client.wait(client.submit(math_task(problem, answer="5")).job_ids, timeout_s=120)
+    assert view.status.value == "completed"
+    assert view.reward == 0.0 and view.finish_reason.value == "no_tool_call"
+    assert view.result["details"]["parsed_answer"]
+
+
+def test_trajectory_is_served_as_msgpack_too(client, scripted_backend, service):
+    problem = f"Say four ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    job_id, = client.submit(math_task(problem)).job_ids
+    client.wait([job_id], timeout_s=120)
+    as_json = httpx.get(f"{service.url}/v1/jobs/{job_id}/trajectory").json()
+    packed = httpx.get(f"{service.url}/v1/jobs/{job_id}/trajectory", headers={"Accept": "application/msgpack"})
+    assert packed.headers["content-type"] == "application/msgpack"
+    assert msgpack.unpackb(packed.content) == as_json
+
+
+def test_a_group_of_n_shares_a_group_id_and_a_retried_post_returns_the_same_ids(client, scripted_backend):
+    problem = f"Group of four ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    key = uuid.uuid4().hex
+    first = client.submit(math_task(problem), n=4, idempotency_key=key)
+    again = client.submit(math_task(problem), n=4, idempotency_key=key)
+    assert again == first and len(set(first.job_ids)) == 4
+    views = client.wait(first.job_ids, timeout_s=120)
+    assert {v.group_id for v in views} == {first.group_id}
+    assert [v.reward for v in views] == [1.0] * 4
+
+
+def test_a_job_for_an_unreachable_backend_fails_with_a_clear_error(client, tiny_tokenizer_dir):
+    backend = client.add_backend("http://127.0.0.1:9", "vllm", "nowhere", tokenizer=str(tiny_tokenizer_dir))
+    try:
+        start = time.monotonic()
+        job_id, = client.submit(math_task("2+2?"), sampling={"model": "nowhere"},
+                                agent={"tools": ["finish"]}).job_ids
+        view, = client.wait([job_id], timeout_s=60)
+        assert view.status.value == "failed"
+        assert view.error.code in ("backend_unreachable", "backend_error", "no_backend", "task_error")
+        assert "127.0.0.1:9" in view.error.message or "nowhere" in view.error.message
+        assert time.monotonic() - start < 45
+    finally:
+        client.remove_backend(backend.id)
+
+
+def test_a_job_with_no_backend_for_its_model_fails_and_says_which_models_exist(client, scripted_backend):
+    scripted_backend({"episodes": []}, model="only-model")
+    job_id, = client.submit(math_task("2+2?"), sampling={"model": "other-model"}).job_ids
+    view, = client.wait([job_id], timeout_s=60)
+    assert view.status.value == "failed"
+    assert "only-model" in view.error.message
+
+
+def test_cancel_ends_a_running_job_cancelled_and_keeps_its_partial_trajectory(client, scripted_backend):
+    problem = f"Slow ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [
+        {"text": tool_call("ipython", code="1"), "delay_s": 0.3}] * 50}]})
+    job_id, = client.submit(math_task(problem), agent={"max_turns": 50}).job_ids
+    deadline = time.monotonic() + 60
+    while client.get(job_id).status.value != "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    client.cancel(job_id)
+    view, = client.wait([job_id], timeout_s=60)
+    assert view.status.value == "cancelled"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.finish_reason.value == "cancelled" and trajectory.truncated
+    assert 0 < len(trajectory.turns) < 100
+
+
+def test_cancelling_a_finished_job_changes_nothing(client, scripted_backend):
+    problem = f"Done ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    job_id, = client.submit(math_task(problem)).job_ids
+    client.wait([job_id], timeout_s=120)
+    assert client.cancel(job_id).status.value == "completed"
+
+
+def test_unknown_job_raises_a_typed_client_error(client):
+    with pytest.raises(ApiError) as err:
+        client.get("job-missing")
+    assert err.value.http_status == 404

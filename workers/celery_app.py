@@ -1,0 +1,86 @@
+"""The one Celery configuration every process shares (gateway, every worker pool, Flower).
+
+Reliability settings follow DESIGN.md: late acks, reject on worker loss, prefetch 1, and a
+visibility timeout above the longest job deadline, set identically everywhere.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+from celery import Celery, chain
+from celery.signals import worker_ready
+
+from rollout_service.settings import Settings, get_settings
+from rollout_service.store import resolve_redis_url
+
+QUEUES = ("init", "run", "eval", "control")
+TASK_NAMES = {
+    "init": "workers.init.init_job",
+    "run": "workers.run.run_job",
+    "eval": "workers.eval.eval_job",
+}
+
+
+def make_celery(settings: Settings) -> Celery:
+    url = resolve_redis_url(settings)
+    visibility_s = max(settings.visibility_timeout_s, int(settings.job_deadline_s) * 2)
+    app = Celery("rollout", broker=url, include=[
+        "workers.init", "workers.run", "workers.eval", "workers.control"])
+    app.conf.update(
+        task_ignore_result=True,
+        result_backend=None,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={"visibility_timeout": visibility_s},
+        result_backend_transport_options={"visibility_timeout": visibility_s},
+        broker_connection_retry_on_startup=True,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        task_serializer="json",
+        accept_content=["json"],
+        task_default_queue="control",
+        task_routes={name: {"queue": queue} for queue, name in TASK_NAMES.items()},
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+app = make_celery(get_settings())
+
+
+def pipeline_for(job_id: str) -> chain:
+    """init → run → eval, every link routed to its queue with a deterministic, revocable id."""
+    return chain(*(
+        app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
+            queue=stage, task_id=f"{job_id}.{stage}")
+        for stage in ("init", "run", "eval")
+    ))
+
+
+def stage_task_ids(job_id: str) -> list[str]:
+    return [f"{job_id}.{stage}" for stage in ("init", "run", "eval")]
+
+
+HEARTBEAT_INTERVAL_S = 5
+
+
+@worker_ready.connect
+def _announce_queues(sender: object, **_: object) -> None:
+    """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell."""
+    queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]
+    hostname = sender.hostname  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(resolve_redis_url(get_settings()))
+
+    def beat() -> None:
+        while True:
+            try:
+                client.set(f"rollout:worker:{hostname}", queues, ex=HEARTBEAT_INTERVAL_S * 3)
+            except redis.RedisError:
+                pass
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="queue-heartbeat", daemon=True).start()

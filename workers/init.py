@@ -1,0 +1,59 @@
+"""init queue: everything expensive before the episode — handler, workspace, prompt ids."""
+from __future__ import annotations
+
+from celery import Task
+
+from rollout_service.backends import BackendPool
+from rollout_service.errors import NoBackendAvailable, ValidationError
+from rollout_service.store import workspace_dir
+from rollout_service.tasks import get_handler
+from rollout_service.tokens import ChatRenderer, load_tokenizer
+from rollout_service.tools.schemas import tool_schemas
+from workers.celery_app import app
+from workers.stage import StageContext, run_stage_task
+
+
+@app.task(name="workers.init.init_job", bind=True)
+def init_job(self: Task, job_id: str) -> None:
+    run_stage_task(self, job_id, "init", prepare_job)
+
+
+def prepare_job(ctx: StageContext) -> None:
+    request = ctx.store.request(ctx.job_id)
+    handler = get_handler(request.task["domain"])
+    model, tokenizer = resolve_model(BackendPool(ctx.store.redis), request.sampling.model)
+    workspace = workspace_dir(ctx.settings, ctx.job_id)
+    workspace.mkdir(parents=True, exist_ok=True)
+    prepared = handler.prepare(request.task, workspace)
+    tools = tuple(request.agent.tools) if request.agent.tools is not None else prepared.tools
+    unknown = set(tools) - set(prepared.tools)
+    if unknown:
+        raise ValidationError(f"agent.tools {sorted(unknown)} are not offered by domain "
+                              f"{handler.name!r}; it offers {list(prepared.tools)}")
+    messages = prepared.messages
+    if request.agent.system_prompt is not None:
+        messages = [{"role": "system", "content": request.agent.system_prompt}] + \
+            [m for m in messages if m["role"] != "system"]
+    prompt_ids = ChatRenderer(load_tokenizer(tokenizer)).initial_prompt(messages, tool_schemas(tools))
+    ctx.store.put_blob(ctx.job_id, "prepared", {
+        "prompt_ids": prompt_ids, "messages": messages, "tools": list(tools), "model": model,
+        "tokenizer": tokenizer, "workspace": str(workspace), "image": prepared.image,
+        "extra": prepared.extra,
+    })
+
+
+def resolve_model(pool: BackendPool, model: str | None) -> tuple[str, str]:
+    """The job's model pool and its tokenizer (every backend of a model shares one tokenizer)."""
+    backends = pool.list()
+    models = sorted({b.model for b in backends})
+    if not models:
+        raise NoBackendAvailable("no inference backend is registered: POST /v1/backends "
+                                 '{"url": ..., "kind": "vllm", "model": ...} first')
+    if model is None:
+        if len(models) > 1:
+            raise ValidationError(f"sampling.model is required when several models are served; "
+                                  f"choose one of {models}")
+        model = models[0]
+    if model not in models:
+        raise ValidationError(f"sampling.model {model!r} is not served; registered models: {models}")
+    return model, next(b.tokenizer for b in backends if b.model == model)

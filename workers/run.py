@@ -1,0 +1,83 @@
+"""run queue: boot the sandbox, drive the agent loop, extract the artifact, always tear down."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from celery import Task
+
+from rollout_service.agent import Agent, Episode, Limits
+from rollout_service.backends import BackendPool
+from rollout_service.llm import PooledLLM, stale_check
+from rollout_service.sandbox import SandboxSpec, create_sandbox
+from rollout_service.schemas import FinishReason, JobStatus
+from rollout_service.tasks import get_handler
+from rollout_service.tokens import ChatRenderer, load_tokenizer
+from rollout_service.toolcalls import get_parser
+from workers.celery_app import app
+from workers.stage import StageContext, run_stage_task
+
+
+@app.task(name="workers.run.run_job", bind=True)
+def run_job(self: Task, job_id: str) -> None:
+    run_stage_task(self, job_id, "run", run_episode)
+
+
+def run_episode(ctx: StageContext) -> None:
+    store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
+    request = store.request(job_id)
+    prepared = store.get_blob(job_id, "prepared")
+    handler = get_handler(request.task["domain"])
+    pool = BackendPool(store.redis)
+    sampling = request.sampling.model_copy(update={"model": prepared["model"]})
+    tools = tuple(prepared["tools"])
+
+    def stop_reason() -> Optional[FinishReason]:
+        if store.cancel_requested(job_id):
+            return FinishReason.cancelled
+        if ctx.remaining_s() <= 0:
+            return FinishReason.deadline
+        if stale_check(pool, agent.history, request.max_policy_lag):
+            return FinishReason.stale
+        return None
+
+    llm = PooledLLM(pool, job_id, sampling, min(request.timeouts.llm_call_s or settings.llm_call_timeout_s,
+                                                 max(ctx.remaining_s(), 0.001)), stop_reason)
+    sandbox = None
+    agent = Agent(
+        llm=llm, renderer=ChatRenderer(load_tokenizer(prepared["tokenizer"])),
+        parser=get_parser(request.agent.tool_parser), tools=tools, executor=None,
+        limits=Limits(max_turns=request.agent.max_turns or settings.max_turns,
+                      max_new_tokens=sampling.max_new_tokens or settings.max_new_tokens,
+                      max_model_len=sampling.max_model_len,
+                      tool_timeout_s=request.timeouts.tool_s or settings.tool_timeout_s),
+        stop_reason=stop_reason,
+    )
+    episode: Optional[Episode] = None
+    try:
+        if set(tools) - {"finish"}:
+            sandbox = create_sandbox(settings.sandbox, SandboxSpec(
+                job_id=job_id, workspace=prepared["workspace"], image=prepared.get("image"),
+                tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
+                max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60),
+                store.redis)
+            sandbox.start()
+            agent.executor = sandbox
+        episode = agent.run(prepared["prompt_ids"], prepared["messages"])
+        artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
+    finally:
+        if episode is None and hasattr(agent, "history"):
+            store.put_trajectory(job_id, agent.history.build(FinishReason.error))
+        if sandbox is not None:
+            sandbox.stop()
+        llm.release()
+    trajectory = episode.trajectory
+    store.put_trajectory(job_id, trajectory)
+    store.put_blob(job_id, "artifact", artifact)
+    last_backend = next((t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None)
+    store.set_fields(job_id, finish_reason=trajectory.finish_reason.value, backend_id=last_backend,
+                     run_end=time.time())
+    if trajectory.finish_reason == FinishReason.cancelled:
+        store.finish(job_id, JobStatus.cancelled)
+    elif trajectory.finish_reason == FinishReason.deadline:
+        store.finish(job_id, JobStatus.timed_out)
