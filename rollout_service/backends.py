@@ -36,6 +36,15 @@ PROBE_THREADS = 32
 _LUA_KEYS = """
 local p = ARGV[1]
 local function key(...) return p .. ':backend:' .. table.concat({...}, ':') end
+-- one backend as a flat row: id, url, kind, model, tokenizer, healthy, total, live (false if unknown)
+local function view_row(id)
+  local f = redis.call('HMGET', key('info', id), 'url', 'kind', 'model', 'tokenizer', 'healthy',
+                       'total_assignments')
+  if not f[3] then return false end
+  local live = redis.call('ZSCORE', key('heap', f[3]), id) or '0'
+  return {id, f[1], f[2], f[3], f[4], f[5], f[6], live}
+end
+local function version() return redis.call('GET', key('version')) or '0' end
 """
 
 _REGISTER = _LUA_KEYS + """
@@ -74,7 +83,7 @@ redis.call('SREM', key('ids'), id)
 return 1
 """
 
-# Returns {'ok', backend_id, 'sticky'|'new'} or an error tuple the client turns into an exception.
+# Returns {'ok', view row, version} or an error tuple the client turns into an exception.
 _ACQUIRE = _LUA_KEYS + """
 local job, model = ARGV[2], ARGV[3]
 local job_key = key('job', job)
@@ -84,7 +93,7 @@ if current then
   local cur = redis.call('HMGET', key('info', current), 'model', 'healthy')
   current_model = cur[1]
   if current_model and cur[2] == '1' and (model == '' or model == current_model) then
-    return {'ok', current, 'sticky'}
+    return {'ok', view_row(current), version()}
   end
 end
 if model == '' then model = current_model or '' end
@@ -111,7 +120,7 @@ for _, id in ipairs(members) do
     redis.call('HINCRBY', info, 'total_assignments', 1)
     redis.call('SADD', key('jobs', id), job)
     redis.call('SET', job_key, id)
-    return {'ok', id, 'new'}
+    return {'ok', view_row(id), version()}
   end
 end
 local urls = {}
@@ -185,7 +194,7 @@ end
 return dropped
 """
 
-# Flat rows of id, url, kind, model, tokenizer, healthy, total_assignments, live; then the version.
+# {view rows of the given ids (all if none), version}
 _VIEWS = _LUA_KEYS + """
 local ids = {}
 if #ARGV > 1 then
@@ -195,14 +204,10 @@ else
 end
 local out = {}
 for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', key('info', id), 'url', 'kind', 'model', 'tokenizer', 'healthy',
-                       'total_assignments')
-  if f[3] then
-    local live = redis.call('ZSCORE', key('heap', f[3]), id) or '0'
-    out[#out + 1] = {id, f[1], f[2], f[3], f[4], f[5], f[6], live}
-  end
+  local row = view_row(id)
+  if row then out[#out + 1] = row end
 end
-return {out, redis.call('GET', key('version')) or '0'}
+return {out, version()}
 """
 
 _RESUME = _LUA_KEYS + """
@@ -291,21 +296,15 @@ class BackendPool:
     # assignment
 
     def acquire(self, job_id: str, model: str | None) -> BackendView:
-        cur = self.backend_of(job_id)
-        if cur:
-            return self.get(cur)
-        heap = self._key("heap", model or self.models()[0])
-        for member in self.redis.zrange(heap, 0, -1):
-            bid = _text(member)
-            self.redis.zincrby(heap, 1, bid)
-            self.redis.hincrby(self._key("info", bid), "total_assignments", 1)
-            self.redis.sadd(self._key("jobs", bid), job_id)
-            self.redis.set(self._key("job", job_id), bid)
-            return self.get(bid)
-        reply = [_text(part) for part in self._acquire(args=[self.prefix, job_id, model or ""])]
-        status, rest = reply[0], reply[1:]
+        """The job's backend: its sticky one while registered, healthy and serving ``model``;
+        else the least-loaded healthy backend of the model's pool (``model`` None: the only
+        model, or the model of the job's previous backend). Cheap enough to call before every
+        LLM call, which is how a job follows a removal or a failed health probe."""
+        reply = self._acquire(args=[self.prefix, job_id, model or ""])
+        status = _text(reply[0])
         if status == "ok":
-            return self.get(rest[0])
+            return _view(reply[1], reply[2])
+        rest = [_text(part) for part in reply[1:]]
         if status == "no_models":
             raise NoBackendAvailable(
                 "no inference backend is registered; register one with POST /v1/backends "
@@ -325,8 +324,9 @@ class BackendPool:
         model_name, urls = rest[0], rest[1:]
         raise NoBackendAvailable(
             f"no healthy backend for model {model_name!r}: all {len(urls)} registered "
-            f"({', '.join(urls)}) fail GET /health; start or fix them, or register a healthy "
-            "one with POST /v1/backends"
+            f"({', '.join(urls)}) failed their /health probes or calls; start or fix them "
+            "(they come back on the next good probe), or register a healthy one with "
+            "POST /v1/backends"
         )
 
     def release(self, job_id: str) -> None:
@@ -430,19 +430,20 @@ class BackendPool:
 
     def _read_views(self, backend_ids: list[str]) -> list[BackendView]:
         rows, version = self._views(args=[self.prefix, *backend_ids])
-        views = []
-        for row in rows:
-            id_, url, kind, model, tokenizer, healthy, total, live = (_text(v) for v in row)
-            views.append(BackendView(
-                id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer,
-                healthy=healthy == "1", live_assignments=int(float(live)),
-                total_assignments=int(total), policy_version=int(version),
-            ))
-        return views
+        return [_view(row, version) for row in rows]
 
     @staticmethod
     def _not_found(backend_id: str) -> NotFound:
         return NotFound(f"no backend {backend_id!r}; GET /v1/backends lists the registered ones")
+
+
+def _view(row: list[Any], version: Any) -> BackendView:
+    id_, url, kind, model, tokenizer, healthy, total, live = (_text(v) for v in row)
+    return BackendView(
+        id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer, healthy=healthy == "1",
+        live_assignments=int(float(live)), total_assignments=int(total),
+        policy_version=int(_text(version)),
+    )
 
 
 def _answers_health(client: httpx.Client, url: str) -> bool:

@@ -67,6 +67,28 @@ class NoBackendAvailable(BackendError):
     code = "no_backend"
 
 
+class BackendUnreachable(BackendError):
+    """Connecting to an inference server failed, retries included (worth failing over)."""
+
+    code = "backend_unreachable"
+
+
+class BackendTimeout(BackendError):
+    """An inference server accepted the call but did not answer within the call's deadline."""
+
+    code = "backend_timeout"
+
+
+class BackendRejected(BackendError):
+    """An inference server answered a non-2xx status; ``status`` is that status."""
+
+    code = "backend_rejected"
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class SandboxError(RolloutError):
     """A sandbox failed to start, answer, or stop (not a tool error: those are observations)."""
 

@@ -14,6 +14,8 @@ text after the probe's last end-of-turn token.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 from rollout_service.errors import ConfigError
@@ -28,10 +30,15 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
 
 @functools.lru_cache(maxsize=16)
 def load_tokenizer(name_or_path: str) -> Any:
-    """A transformers tokenizer, loaded once per process (local files only, no hub access)."""
-    from transformers import AutoTokenizer
-
+    """A transformers tokenizer, loaded once per process."""
     try:
+        if _is_plain_tokenizers_dir(Path(name_or_path)):
+            # What AutoTokenizer would pick here too, without importing torch (~1.5 s).
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(name_or_path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as exc:
         raise ConfigError(
@@ -40,6 +47,21 @@ def load_tokenizer(name_or_path: str) -> Any:
             "`python -m rollout_service.tiny_model DIR`) or a model name already in the "
             "Hugging Face cache"
         ) from exc
+
+
+def _is_plain_tokenizers_dir(path: Path) -> bool:
+    """A tokenizer-only directory (no model config) whose config names the generic class."""
+    config_path = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config_path.is_file() or (path / "config.json").exists():
+        return False
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError:
+        return False
+    return "auto_map" not in config and config.get("tokenizer_class") in (
+        "TokenizersBackend",
+        "PreTrainedTokenizerFast",
+    )
 
 
 @functools.lru_cache(maxsize=16)

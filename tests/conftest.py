@@ -9,7 +9,7 @@ import redis
 
 from rollout_service.redis_server import RedisServer
 
-pytest_plugins = ["tests.fixtures_service"]
+pytest_plugins = ["tests.fixtures_service", "tests.fixtures_tokens"]
 
 
 @pytest.fixture(scope="session")

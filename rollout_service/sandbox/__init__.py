@@ -1,0 +1,40 @@
+"""Sandboxes: where the agent's tool calls run. Small interface: start, execute, stop.
+
+    sandbox = create_sandbox(get_settings().sandbox, SandboxSpec(job_id, workspace), redis_client)
+    try:
+        sandbox.start()
+        observation = sandbox.execute("bash", {"command": "ls"}, timeout_s=30)
+    finally:
+        sandbox.stop()
+
+Kinds: ``bwrap`` (bubblewrap), ``singularity`` (also Apptainer), ``local`` (no isolation).
+Inside each, ``rollout_service.sandbox.action_server`` answers on a Unix socket.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from rollout_service.errors import UnknownName
+from rollout_service.sandbox.base import Sandbox, SandboxSpec
+from rollout_service.sandbox.bwrap import BwrapSandbox
+from rollout_service.sandbox.local import LocalSandbox
+from rollout_service.sandbox.registry import reap_expired
+from rollout_service.sandbox.singularity import SingularitySandbox
+
+SANDBOXES: dict[str, type] = {
+    "bwrap": BwrapSandbox,
+    "singularity": SingularitySandbox,
+    "local": LocalSandbox,
+}
+
+
+def create_sandbox(kind: str, spec: SandboxSpec, redis_client: Any = None) -> Sandbox:
+    """A sandbox of ``kind`` for ``spec``, not started yet; registered in Redis on start if given."""
+    if kind == "apptainer":
+        kind = "singularity"
+    if kind not in SANDBOXES:
+        raise UnknownName("sandbox", kind, SANDBOXES)
+    return SANDBOXES[kind](spec, redis_client)
+
+
+__all__ = ["SANDBOXES", "Sandbox", "SandboxSpec", "create_sandbox", "reap_expired"]

@@ -1,0 +1,357 @@
+"""Clients for the inference servers' own token APIs: token ids in, token ids + logprobs out.
+
+- vLLM: ``POST /v1/completions`` with ``prompt`` as a list of ids, ``logprobs: 0`` (the
+  sampled token's logprob), ``return_token_ids`` (vLLM >= 0.10.2: ``choices[0].token_ids``)
+  and ``return_tokens_as_token_ids`` (``"token_id:N"`` strings in ``logprobs.tokens``, the
+  fallback for older servers).
+- SGLang: ``POST /generate`` with ``input_ids`` and ``return_logprob``; ids and logprobs come
+  from ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text]`` triples.
+
+Ids and logprobs are kept exactly as the server returned them. Connection failures are
+retried against the same server (``settings.llm_connect_retries``), then raised as
+``BackendUnreachable`` so the caller can fail over; everything else a server does wrong is
+a ``BackendError`` naming the server.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from rollout_service.errors import (
+    BackendError,
+    BackendRejected,
+    BackendTimeout,
+    BackendUnreachable,
+    UnknownName,
+)
+from rollout_service.schemas import Sampling
+from rollout_service.settings import get_settings
+
+FINISH_REASONS = ("stop", "length")
+CONNECT_TIMEOUT_S = 10.0
+RETRY_BACKOFF_S = 0.1
+TOKEN_ID_PREFIX = "token_id:"
+_RETRYABLE = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    latency_s: float
+
+
+class InferenceClient(Protocol):
+    kind: str
+    url: str
+    model: str
+
+    def generate(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float
+    ) -> Generation: ...
+
+
+_http_lock = threading.Lock()
+_http_client: httpx.Client | None = None
+_http_pid: int | None = None
+
+
+def shared_http_client() -> httpx.Client:
+    """One pooled, thread-safe HTTP client per process (re-created after a fork)."""
+    global _http_client, _http_pid
+    with _http_lock:
+        if _http_client is None or _http_pid != os.getpid():
+            _http_client = httpx.Client(
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+                trust_env=False,
+            )
+            _http_pid = os.getpid()
+        return _http_client
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if body.get(key):
+                return str(body[key])
+    return str(body)[:500]
+
+
+def _int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return value
+    return None
+
+
+def _float_list(value: Any) -> list[float] | None:
+    if isinstance(value, list) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
+        return [float(v) for v in value]
+    return None
+
+
+class _HTTPInferenceClient:
+    kind = "?"
+    path = "/"
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        http: httpx.Client | None = None,
+        connect_retries: int | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.http = http or shared_http_client()
+        self.connect_retries = (
+            get_settings().llm_connect_retries if connect_retries is None else connect_retries
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r}, model={self.model!r})"
+
+    def request_body(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
+        raise NotImplementedError
+
+    def generate(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float
+    ) -> Generation:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        started = time.monotonic()
+        payload = self._post(self.request_body(list(prompt_ids), sampling, max_new_tokens), timeout_s)
+        token_ids, logprobs, finish_reason = self.parse_response(payload)
+        return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
+
+    def _post(self, body: dict[str, Any], timeout_s: float) -> Any:
+        endpoint = self.url + self.path
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+        attempts = 1 + max(0, self.connect_retries)
+        for attempt in range(attempts):
+            try:
+                response = self.http.post(endpoint, json=body, timeout=timeout)
+                break
+            except _RETRYABLE as exc:
+                if attempt + 1 == attempts:
+                    raise BackendUnreachable(
+                        f"cannot reach the {self.kind} backend at {self.url} after {attempts} "
+                        f"attempt(s) ({type(exc).__name__}: {exc}); check that the server is "
+                        f"running and the url is right (GET {self.url}/health should answer)"
+                    ) from exc
+                time.sleep(RETRY_BACKOFF_S * 2**attempt)
+            except httpx.TimeoutException as exc:
+                raise BackendTimeout(
+                    f"the {self.kind} backend at {self.url} did not answer within {timeout_s:g} s; "
+                    "raise timeouts.llm_call_s (ROLLOUT_LLM_CALL_TIMEOUT_S) or lower "
+                    "sampling.max_new_tokens"
+                ) from exc
+            except httpx.HTTPError as exc:
+                raise BackendError(f"POST {endpoint} failed: {type(exc).__name__}: {exc}") from exc
+        if not response.is_success:
+            hint = ""
+            if response.status_code in (404, 405):
+                hint = (
+                    f" (is {self.url} really a {self.kind} server? vLLM serves /v1/completions, "
+                    "SGLang serves /generate: register the backend with the right kind)"
+                )
+            raise BackendRejected(
+                f"the {self.kind} backend at {self.url} answered {response.status_code} to "
+                f"POST {self.path}: {_server_message(response)}{hint}",
+                status=response.status_code,
+            )
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise self._malformed(f"the body is not JSON: {response.text[:200]!r}") from exc
+
+    def _malformed(self, problem: str) -> BackendError:
+        return BackendError(
+            f"malformed answer from the {self.kind} backend at {self.url} to POST {self.path}: "
+            f"{problem}"
+        )
+
+    def _checked(
+        self, token_ids: list[int], logprobs: list[float], finish_reason: Any
+    ) -> tuple[list[int], list[float], str]:
+        if len(token_ids) != len(logprobs):
+            raise self._malformed(
+                f"{len(token_ids)} token ids but {len(logprobs)} logprobs; they must align"
+            )
+        if finish_reason not in FINISH_REASONS:
+            raise BackendError(
+                f"the {self.kind} backend at {self.url} ended the generation with finish reason "
+                f"{finish_reason!r} (expected one of {', '.join(FINISH_REASONS)}); the request "
+                "was probably aborted by the server, retry it or check the server's log"
+            )
+        return token_ids, logprobs, finish_reason
+
+
+class VLLMClient(_HTTPInferenceClient):
+    kind = "vllm"
+    path = "/v1/completions"
+
+    def request_body(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "n": 1,
+            "stream": False,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        return body
+
+    def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._malformed("no choices[0]")
+        choice = choices[0]
+        logprobs_block = choice.get("logprobs")
+        if not isinstance(logprobs_block, dict):
+            raise self._malformed(
+                "choices[0].logprobs is missing; the server ignored `logprobs: 0` "
+                "(is it really vLLM's OpenAI-compatible server?)"
+            )
+        logprobs = _float_list(logprobs_block.get("token_logprobs"))
+        if logprobs is None:
+            raise self._malformed("choices[0].logprobs.token_logprobs is not a list of numbers")
+        ids_from_tokens = self._ids_from_token_strings(logprobs_block.get("tokens"))
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            if ids_from_tokens is None:
+                raise self._malformed(
+                    "neither choices[0].token_ids nor 'token_id:N' strings in "
+                    "choices[0].logprobs.tokens; use vLLM >= 0.10.2 (return_token_ids) or a "
+                    "version that supports return_tokens_as_token_ids"
+                )
+            token_ids = ids_from_tokens
+        elif _int_list(token_ids) is None:
+            raise self._malformed("choices[0].token_ids is not a list of integers")
+        elif ids_from_tokens is not None and ids_from_tokens != token_ids:
+            raise self._malformed(
+                "choices[0].token_ids and the 'token_id:N' strings of choices[0].logprobs.tokens disagree"
+            )
+        return self._checked(list(token_ids), logprobs, choice.get("finish_reason"))
+
+    @staticmethod
+    def _ids_from_token_strings(tokens: Any) -> list[int] | None:
+        if not isinstance(tokens, list):
+            return None
+        ids = []
+        for token in tokens:
+            if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+                return None
+            try:
+                ids.append(int(token[len(TOKEN_ID_PREFIX):]))
+            except ValueError:
+                return None
+        return ids
+
+
+class SGLangClient(_HTTPInferenceClient):
+    kind = "sglang"
+    path = "/generate"
+
+    def request_body(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+        }
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        return {
+            "input_ids": prompt_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": False,
+        }
+
+    def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
+        meta = payload.get("meta_info") if isinstance(payload, dict) else None
+        if not isinstance(meta, dict):
+            raise self._malformed("no meta_info object")
+        triples = meta.get("output_token_logprobs")
+        if not isinstance(triples, list):
+            raise self._malformed(
+                "meta_info.output_token_logprobs is missing; the server ignored "
+                "`return_logprob: true` (is it really SGLang?)"
+            )
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        for triple in triples:
+            if (
+                not isinstance(triple, (list, tuple))
+                or len(triple) < 2
+                or _float_list([triple[0]]) is None
+                or _int_list([triple[1]]) is None
+            ):
+                raise self._malformed(
+                    f"meta_info.output_token_logprobs holds {triple!r}, expected [logprob, token_id, text]"
+                )
+            logprobs.append(float(triple[0]))
+            token_ids.append(triple[1])
+        finish = meta.get("finish_reason")
+        finish_type = finish.get("type") if isinstance(finish, dict) else finish
+        return self._checked(token_ids, logprobs, finish_type)
+
+
+CLIENTS: dict[str, type[_HTTPInferenceClient]] = {
+    "vllm": VLLMClient,
+    "sglang": SGLangClient,
+    "reference": VLLMClient,
+}
+
+
+def make_client(kind: str, url: str, model: str) -> InferenceClient:
+    """A client for a backend of ``kind`` at ``url`` serving ``model`` (pooled connections)."""
+    try:
+        client_class = CLIENTS[kind]
+    except KeyError:
+        raise UnknownName("backend kind", kind, CLIENTS) from None
+    return client_class(url, model)

@@ -1,0 +1,626 @@
+"""A small inference server speaking the vLLM and SGLang token APIs, for CPUs, tests and demos.
+
+Routes: ``POST /v1/completions`` (the vLLM subset the clients use), ``POST /generate``
+(SGLang), ``GET /health``, ``GET /v1/models``, and ``GET``/``DELETE /debug/requests`` (what
+the server received and returned, most recent last).
+
+Two engines:
+
+- ``--model PATH``: a Hugging Face causal LM on CPU. Sampling honours temperature (greedy at
+  0), top_k, top_p and seed; each logprob is the log-softmax of the raw logits at that
+  position (vLLM's default "raw" logprobs, before temperature and filtering); generation
+  stops at an eos or stop token, which is included in the output.
+- ``--script FILE --tokenizer PATH``: replays scripted assistant turns, statelessly::
+
+      {"episodes": [{"match": "<substring of the decoded prompt>",
+                     "turns": ["assistant text", {"text": "...", "delay_s": 0.2}, ...]}]}
+
+  The episode is the first whose ``match`` occurs in the decoded prompt; the turn is the
+  number of assistant turns already completed in the prompt. The turn text is tokenized
+  with the tokenizer and followed by the end-of-turn token; logprobs are
+  ``scripted_logprob(position, token_id)``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import random
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from rollout_service.tokens import ChatRenderer, load_tokenizer
+
+DEFAULT_MAX_TOKENS_VLLM = 16
+DEFAULT_MAX_TOKENS_SGLANG = 128
+MAX_LOGGED_REQUESTS = 10_000
+
+
+class RequestError(Exception):
+    """A problem with the request: answered with ``status`` and an OpenAI-style error body."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class GenerateParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+
+
+class Completion(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    stop_token_id: int | None  # the stop_token_ids entry that ended it (None for eos/length)
+    top_logprobs: list[dict[int, float]]
+
+
+def scripted_logprob(position: int, token_id: int) -> float:
+    """The logprob the scripted engine reports for ``token_id`` at absolute ``position``:
+    deterministic, always < 0, and different for neighbouring positions and ids."""
+    return -((position * 7919 + token_id * 104_729) % 10_007 + 1) / 1000.0
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class ScriptEngine:
+    """Replays the assistant turns of a script through the token protocol."""
+
+    name = "scripted"
+
+    def __init__(self, script: dict[str, Any], tokenizer_path: str) -> None:
+        self.episodes = _validated_episodes(script)
+        self.renderer = ChatRenderer(load_tokenizer(tokenizer_path))
+        self.max_model_len = 1 << 30
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.renderer.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.renderer.encode(text)
+
+    def generate(self, prompt_ids: list[int], params: GenerateParams) -> Completion:
+        prompt_text = self.renderer.decode(prompt_ids)
+        episode = next((e for e in self.episodes if e["match"] in prompt_text), None)
+        if episode is None:
+            matches = ", ".join(repr(e["match"]) for e in self.episodes)
+            raise RequestError(
+                f"no scripted episode matches this prompt: none of {matches} occurs in it; "
+                f"the prompt ends with {prompt_text[-300:]!r}"
+            )
+        turn_index = self.renderer.completed_turns(prompt_text)
+        if turn_index >= len(episode["turns"]):
+            raise RequestError(
+                f"the scripted episode matching {episode['match']!r} has {len(episode['turns'])} "
+                f"turn(s) but the prompt already holds {turn_index} assistant turn(s); add turns "
+                "to the script or end the episode earlier"
+            )
+        turn = episode["turns"][turn_index]
+        if turn["delay_s"]:
+            time.sleep(turn["delay_s"])
+        ids = self.encode(turn["text"])
+        if not ids or ids[-1] != self.renderer.end_of_turn_id:
+            ids.append(self.renderer.end_of_turn_id)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.renderer.eos_token_ids))
+        stop_at = next((i for i, t in enumerate(ids) if t in stops), None)
+        finish, stop_token = "stop", None
+        if stop_at is not None:
+            ids = ids[: stop_at + 1]
+            stop_token = ids[-1] if ids[-1] in params.stop_token_ids else None
+        if len(ids) > params.max_tokens:
+            ids, finish, stop_token = ids[: params.max_tokens], "length", None
+        start = len(prompt_ids)
+        logprobs = [scripted_logprob(start + i, t) for i, t in enumerate(ids)]
+        return Completion(ids, logprobs, finish, stop_token, [{t: lp} for t, lp in zip(ids, logprobs)])
+
+
+def _validated_episodes(script: Any) -> list[dict[str, Any]]:
+    def bad(problem: str) -> ValueError:
+        return ValueError(
+            f"invalid script: {problem}; expected "
+            '{"episodes": [{"match": "...", "turns": ["text", {"text": "...", "delay_s": 0.1}]}]}'
+        )
+
+    if not isinstance(script, dict) or not isinstance(script.get("episodes"), list):
+        raise bad('no "episodes" list')
+    episodes = []
+    for n, episode in enumerate(script["episodes"]):
+        if not isinstance(episode, dict) or not isinstance(episode.get("match"), str):
+            raise bad(f'episode {n} needs a "match" string')
+        if not isinstance(episode.get("turns"), list) or not episode["turns"]:
+            raise bad(f'episode {n} needs a non-empty "turns" list')
+        turns = []
+        for k, turn in enumerate(episode["turns"]):
+            if isinstance(turn, str):
+                turn = {"text": turn}
+            if not isinstance(turn, dict) or not isinstance(turn.get("text"), str):
+                raise bad(f'turn {k} of episode {n} must be a string or {{"text": ...}}')
+            turns.append({"text": turn["text"], "delay_s": float(turn.get("delay_s", 0.0))})
+        episodes.append({"match": episode["match"], "turns": turns})
+    return episodes
+
+
+class ModelEngine:
+    """Generates with a Hugging Face causal LM on CPU (one request at a time)."""
+
+    def __init__(self, model_path: str, tokenizer_path: str | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.name = model_path
+        self.tokenizer = load_tokenizer(tokenizer_path or model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        config = self.model.config
+        self.max_model_len = int(getattr(config, "max_position_embeddings", None) or 4096)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.eos_token_ids = {i for i in [*eos_ids, self.tokenizer.eos_token_id] if i is not None}
+        self.lock = threading.Lock()
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompt_ids: list[int], params: GenerateParams) -> Completion:
+        torch = self.torch
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(prompt_ids)} tokens; shorten it"
+            )
+        max_tokens = min(params.max_tokens, room)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else secrets.randbits(63)
+        )
+        ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[dict[int, float]] = []
+        finish, stop_token = "length", None
+        with self.lock, torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+            for _ in range(max_tokens):
+                logits = out.logits[0, -1].float()
+                log_softmax = torch.log_softmax(logits, dim=-1)
+                token = _sample(torch, logits, params, generator)
+                ids.append(token)
+                logprobs.append(float(log_softmax[token]))
+                top = {token: logprobs[-1]}
+                if params.top_logprobs > 0:
+                    values, indices = torch.topk(log_softmax, min(params.top_logprobs, vocab))
+                    top.update(zip(indices.tolist(), values.tolist()))
+                tops.append(top)
+                if token in stops:
+                    finish = "stop"
+                    stop_token = token if token in params.stop_token_ids else None
+                    break
+                out = self.model(
+                    input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+                )
+        return Completion(ids, logprobs, finish, stop_token, tops)
+
+
+def _sample(torch: Any, logits: Any, params: GenerateParams, generator: Any) -> int:
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        outside = torch.cumsum(probs, dim=-1) - probs > params.top_p
+        sorted_scores = sorted_scores.masked_fill(outside, -math.inf)
+        scores = torch.full_like(scores, -math.inf).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+class RequestLog:
+    """What the server received and returned, bounded, most recent last."""
+
+    def __init__(self, maxlen: int = MAX_LOGGED_REQUESTS) -> None:
+        self._entries: collections.deque[dict[str, Any]] = collections.deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def add(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self._entries.append(entry)
+
+    def all(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _error(message: str, status: int) -> tuple[Response, int]:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return jsonify({"error": {"message": message, "type": kind, "param": None, "code": status}}), status
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise RequestError(f"{name!r} must be a {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        value = value[0]
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise RequestError(f"{name!r} must be a list of token ids (a batch of one at most)")
+    return value
+
+
+def _params(body: dict[str, Any], max_tokens: int, seed_key: str) -> GenerateParams:
+    params = GenerateParams(
+        max_tokens=max_tokens,
+        temperature=_field(body, "temperature", float, 1.0),
+        top_p=_field(body, "top_p", float, 1.0),
+        top_k=_field(body, "top_k", int, -1),
+        seed=_field(body, seed_key, int, None),
+        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
+        ignore_eos=_field(body, "ignore_eos", bool, False),
+    )
+    if params.max_tokens < 1:
+        raise RequestError(f"the maximum number of new tokens must be >= 1, got {params.max_tokens}")
+    if params.temperature < 0 or not 0 < params.top_p <= 1:
+        raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+    return params
+
+
+def create_app(
+    engine: ScriptEngine | ModelEngine,
+    served_model_name: str | None = None,
+    latency_s: float = 0.0,
+    fail_rate: float = 0.0,
+    rng: random.Random | None = None,
+) -> Flask:
+    """The Flask app serving ``engine`` over both protocols."""
+    app = Flask("rollout_service.reference_server")
+    log = RequestLog()
+    model_name = served_model_name or engine.name
+    rng = rng or random.Random()
+    app.config["request_log"] = log
+
+    def run(protocol: str, prompt_ids: list[int], params: GenerateParams) -> Completion:
+        if latency_s:
+            time.sleep(latency_s)
+        if fail_rate and rng.random() < fail_rate:
+            raise RequestError("injected failure (--fail-rate)", status=503)
+        completion = engine.generate(prompt_ids, params)
+        log.add(
+            {
+                "protocol": protocol,
+                "prompt_ids": prompt_ids,
+                "output_ids": completion.token_ids,
+                "logprobs": completion.logprobs,
+                "finish_reason": completion.finish_reason,
+                "params": vars(params),
+            }
+        )
+        return completion
+
+    def prompt_from(body: dict[str, Any], ids_key: str, text_key: str) -> list[int]:
+        if isinstance(body.get(text_key), str):
+            return engine.encode(body[text_key])
+        if body.get(ids_key) is not None:
+            return _token_ids(body[ids_key], ids_key)
+        raise RequestError(f"give the prompt as {ids_key!r} (a list of token ids) or {text_key!r} (text)")
+
+    @app.errorhandler(RequestError)
+    def request_error(exc: RequestError) -> tuple[Response, int]:
+        return _error(exc.message, exc.status)
+
+    @app.errorhandler(Exception)
+    def internal_error(exc: Exception) -> tuple[Response, int]:
+        if isinstance(exc, HTTPException):
+            return _error(f"{exc.name}: {exc.description}", exc.code or 500)
+        app.logger.exception("request failed")
+        return _error(f"{type(exc).__name__}: {exc}", 500)
+
+    @app.get("/health")
+    def health() -> Response:
+        return jsonify({"status": "ok", "model": model_name})
+
+    @app.get("/v1/models")
+    def models() -> Response:
+        return jsonify(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "owned_by": "rollout-service",
+                        "max_model_len": engine.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    @app.get("/debug/requests")
+    def debug_requests() -> Response:
+        return jsonify(log.all())
+
+    @app.delete("/debug/requests")
+    def clear_requests() -> Response:
+        log.clear()
+        return jsonify({"cleared": True})
+
+    @app.post("/v1/completions")
+    def completions() -> Response:
+        body = _json_body()
+        if body.get("stream"):
+            raise RequestError("streaming is not supported by the reference server; set stream=false")
+        if _field(body, "n", int, 1) != 1:
+            raise RequestError("only n=1 is supported by the reference server")
+        prompt_ids = prompt_from(body, "prompt", "prompt")
+        params = _params(body, _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS_VLLM), "seed")
+        logprobs_k = _field(body, "logprobs", int, None)
+        params.top_logprobs = logprobs_k or 0
+        completion = run("vllm", prompt_ids, params)
+        skip = _field(body, "skip_special_tokens", bool, True)
+        as_ids = _field(body, "return_tokens_as_token_ids", bool, False)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": engine.decode(completion.token_ids, skip),
+            "logprobs": None,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_token_id,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+        }
+        if _field(body, "return_token_ids", bool, False):
+            choice["token_ids"] = completion.token_ids
+            choice["prompt_token_ids"] = prompt_ids
+        if logprobs_k is not None:
+            def token_str(token_id: int) -> str:
+                return f"token_id:{token_id}" if as_ids else engine.decode([token_id], False)
+
+            tokens = [token_str(t) for t in completion.token_ids]
+            offsets, offset = [], 0
+            for token in tokens:
+                offsets.append(offset)
+                offset += len(token)
+            choice["logprobs"] = {
+                "text_offset": offsets,
+                "token_logprobs": completion.logprobs,
+                "tokens": tokens,
+                "top_logprobs": [
+                    {token_str(t): lp for t, lp in top.items()} for top in completion.top_logprobs
+                ],
+            }
+        n_prompt, n_out = len(prompt_ids), len(completion.token_ids)
+        return jsonify(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model") or model_name,
+                "choices": [choice],
+                "usage": {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": n_out,
+                    "total_tokens": n_prompt + n_out,
+                },
+            }
+        )
+
+    @app.post("/generate")
+    def generate() -> Response:
+        body = _json_body()
+        if body.get("stream"):
+            raise RequestError("streaming is not supported by the reference server; set stream=false")
+        sampling = body.get("sampling_params") or {}
+        if not isinstance(sampling, dict):
+            raise RequestError("'sampling_params' must be an object")
+        prompt_ids = prompt_from(body, "input_ids", "text")
+        params = _params(
+            sampling,
+            _field(sampling, "max_new_tokens", int, DEFAULT_MAX_TOKENS_SGLANG),
+            "sampling_seed",
+        )
+        started = time.monotonic()
+        completion = run("sglang", prompt_ids, params)
+        if completion.finish_reason == "stop":
+            finish = {"type": "stop", "matched": completion.token_ids[-1]}
+        else:
+            finish = {"type": "length", "length": len(completion.token_ids)}
+        meta: dict[str, Any] = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(completion.token_ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - started,
+        }
+        if _field(body, "return_logprob", bool, False):
+            with_text = _field(body, "return_text_in_logprobs", bool, False)
+            meta["output_token_logprobs"] = [
+                [lp, t, engine.decode([t], False) if with_text else None]
+                for t, lp in zip(completion.token_ids, completion.logprobs)
+            ]
+        skip = _field(sampling, "skip_special_tokens", bool, True)
+        return jsonify(
+            {
+                "text": engine.decode(completion.token_ids, skip),
+                "output_ids": completion.token_ids,
+                "meta_info": meta,
+            }
+        )
+
+    return app
+
+
+def _json_body() -> dict[str, Any]:
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object (Content-Type: application/json)")
+    return body
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rollout_service.settings import get_settings
+
+    parser = argparse.ArgumentParser(
+        prog="rollout-service reference-server",
+        description="Serve a Hugging Face causal LM (--model) or a scripted replay (--script) "
+        "over the vLLM /v1/completions and SGLang /generate token APIs.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="directory of a Hugging Face causal LM to run on CPU")
+    source.add_argument("--script", type=Path, help="JSON script of assistant turns to replay")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --script)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=get_settings().reference_port)
+    parser.add_argument("--served-model-name", help="name reported by /v1/models (default: the model path)")
+    parser.add_argument("--latency-s", type=float, default=0.0, help="extra delay added to every generation")
+    parser.add_argument("--fail-rate", type=float, default=0.0, help="fraction of generations answered with 503")
+    parser.add_argument("--verbose", action="store_true", help="log every request")
+    return parser
+
+
+def build_engine(args: argparse.Namespace) -> ScriptEngine | ModelEngine:
+    if args.script is not None:
+        if not args.tokenizer:
+            raise SystemExit("--script needs --tokenizer PATH (the tokenizer the rollouts use)")
+        try:
+            script = json.loads(Path(args.script).read_text())
+            return ScriptEngine(script, args.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"cannot load script {args.script}: {exc}") from exc
+    return ModelEngine(args.model, args.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import logging
+
+    from werkzeug.serving import make_server
+
+    args = build_parser().parse_args(argv)
+    engine = build_engine(args)
+    app = create_app(engine, args.served_model_name, args.latency_s, args.fail_rate)
+    if not args.verbose:
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = make_server(args.host, args.port, app, threaded=True)
+    mode = "script" if args.script is not None else "model"
+    print(f"reference server ({mode}: {engine.name}) listening on http://{args.host}:{server.port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+# --------------------------------------------------------------------------- process helper
+
+
+class ReferenceServerProcess:
+    """A reference server in a child process (``python -m rollout_service.reference_server``)."""
+
+    def __init__(self, args: list[str], port: int, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+        self.args = [*args, "--host", host, "--port", str(port)]
+        self.url = f"http://{host}:{port}"
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> "ReferenceServerProcess":
+        package_root = str(Path(__file__).resolve().parent.parent)
+        python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        with open(self.log_path or os.devnull, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "rollout_service.reference_server", *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": python_path},
+            )
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"reference server exited with {self.process.returncode}; {self._log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"reference server at {self.url} not healthy after {timeout_s:g} s; {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if not self.log_path or not Path(self.log_path).exists():
+            return "no log"
+        return "log tail: " + Path(self.log_path).read_text(errors="replace")[-2000:]
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+
+if __name__ == "__main__":
+    main()

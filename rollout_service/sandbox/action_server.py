@@ -1,0 +1,182 @@
+"""The action server: runs inside a sandbox and executes tool calls sent over a Unix socket.
+
+    python -m rollout_service.sandbox.action_server --socket /run/rollout/action.sock --workspace /workspace
+
+Protocol: one JSON object per line each way. A request is ``{"tool", "args", "timeout_s",
+"output_cap"}``; the answer is an observation (see ``rollout_service.tools.output``). Tool calls
+run one at a time. Prints ``ready`` on stdout once it accepts connections. Imports only the
+stdlib and ptyprocess at start-up, so it runs on any image that has the runtime installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import sys
+import threading
+from typing import Any
+
+from rollout_service.tools.output import error_observation, observation
+
+READY_LINE = b"ready\n"
+BASH_READY_TIMEOUT_S = 30.0
+TOOL_ARGUMENT = {"bash": "command", "ipython": "code"}
+
+
+class Toolbox:
+    """The tools of one sandbox. Bash starts at once; the IPython kernel starts at boot if listed."""
+
+    def __init__(self, workspace: str, env: dict[str, str], tools: list[str]) -> None:
+        self.workspace = workspace
+        self.env = env
+        self.tools = tools
+        self._lock = threading.Lock()
+        self._bash: Any = None
+        self._bash_error: str | None = None
+        self._bash_ready = threading.Event()
+        self._ipython: Any = None
+        self._editor: Any = None
+        self.first_answer = threading.Event()
+        if "bash" in tools:
+            threading.Thread(target=self._start_bash, daemon=True).start()
+        if "ipython" in tools:
+            from rollout_service.tools.ipython import IPythonSession
+
+            self._ipython = IPythonSession(workspace, env)
+            self._ipython.launch()
+            threading.Thread(target=self._prewarm_ipython, daemon=True).start()
+
+    def _start_bash(self) -> None:
+        try:
+            from rollout_service.tools.bash import BashSession
+
+            self._bash = BashSession(self.workspace, self.env)
+        except Exception as exc:  # reported on the first bash call
+            self._bash_error = f"bash could not start: {exc}"
+        self._bash_ready.set()
+
+    def _prewarm_ipython(self) -> None:
+        self.first_answer.wait(timeout=5.0)
+        try:
+            self._ipython.connect()
+        except Exception:
+            pass  # the first ipython call retries and reports the error
+
+    def handle(self, request: Any) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            return error_observation("a request must be a JSON object with 'tool' and 'args'")
+        tool, args = request.get("tool"), request.get("args")
+        if tool == "_ping":
+            return observation("pong")
+        if not isinstance(args, dict):
+            return error_observation(f"the arguments of {tool!r} must be a JSON object")
+        if tool not in self.tools:
+            return error_observation(f"unknown tool {tool!r}; available tools: {', '.join(self.tools)}")
+        timeout_s = float(request.get("timeout_s") or 120.0)
+        output_cap = int(request.get("output_cap") or 32 * 1024)
+        name = TOOL_ARGUMENT.get(tool)
+        if name is not None and not isinstance(args.get(name), str):
+            return error_observation(f"{tool} needs a string argument {name!r}")
+        with self._lock:
+            if tool == "bash":
+                return self._run_bash(args["command"], timeout_s, output_cap)
+            if tool == "ipython":
+                return self._ipython.run(args["code"], timeout_s, output_cap)
+            if tool == "editor":
+                if self._editor is None:
+                    from rollout_service.tools.editor import Editor
+
+                    self._editor = Editor(self.workspace)
+                return self._editor.run(args, output_cap)
+            if tool == "finish":
+                answer = args.get("answer")
+                answer = answer if isinstance(answer, str) else json.dumps(answer)
+                return observation("", finished=True, answer=answer)
+        return error_observation(f"tool {tool!r} is listed but not implemented by this action server")
+
+    def _run_bash(self, command: str, timeout_s: float, output_cap: int) -> dict[str, Any]:
+        if not self._bash_ready.wait(BASH_READY_TIMEOUT_S) or self._bash is None:
+            return error_observation(self._bash_error or "bash did not start within 30 s")
+        return self._bash.run(command, timeout_s, output_cap)
+
+
+def serve_connection(conn: socket.socket, toolbox: Toolbox) -> None:
+    reader = conn.makefile("rb")
+    with conn, reader:
+        for line in reader:
+            try:
+                request = json.loads(line)
+            except ValueError:
+                answer = error_observation("request is not valid JSON")
+            else:
+                try:
+                    answer = toolbox.handle(request)
+                except Exception as exc:  # a tool bug must not take the sandbox down
+                    answer = error_observation(f"{type(exc).__name__}: {exc}")
+            conn.sendall(json.dumps(answer).encode() + b"\n")
+            toolbox.first_answer.set()
+
+
+def apply_limits(memory_mb: int, cpu_time_s: int, max_procs: int) -> None:
+    limits = [(resource.RLIMIT_CORE, 0)]
+    if memory_mb > 0:
+        limits.append((resource.RLIMIT_AS, memory_mb * 1024 * 1024))
+    if cpu_time_s > 0:
+        limits.append((resource.RLIMIT_CPU, cpu_time_s))
+    if max_procs > 0:
+        limits.append((resource.RLIMIT_NPROC, max_procs))
+    for kind, value in limits:
+        _, hard = resource.getrlimit(kind)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(kind, (value, value))
+
+
+def drop_privileges(user: str) -> None:
+    uid, gid = (int(part) for part in user.split(":"))
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise SystemExit(f"could not drop privileges to {user}")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--socket", required=True, help="pathname of the Unix socket to listen on")
+    parser.add_argument("--workspace", default=os.getcwd(), help="working directory of the tools")
+    parser.add_argument("--tools", default="bash,ipython,editor,finish")
+    parser.add_argument("--memory-mb", type=int, default=0, help="RLIMIT_AS per process (0: unchanged)")
+    parser.add_argument("--cpu-time-s", type=int, default=0, help="RLIMIT_CPU per process (0: unchanged)")
+    parser.add_argument("--max-procs", type=int, default=0, help="RLIMIT_NPROC (0: unchanged)")
+    parser.add_argument("--user", default="", help="UID:GID to switch to before serving (when started as root)")
+    parser.add_argument("--strip-env", default="", help="comma-separated variables the tools must not inherit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    apply_limits(args.memory_mb, args.cpu_time_s, args.max_procs)
+    if args.user:
+        drop_privileges(args.user)
+    os.umask(0o022)
+    env = {k: v for k, v in os.environ.items() if k not in set(args.strip_env.split(","))}
+    if os.path.exists(args.socket):
+        os.unlink(args.socket)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(args.socket)
+    os.chmod(args.socket, 0o600)
+    server.listen(8)
+    toolbox = Toolbox(args.workspace, env, [t for t in args.tools.split(",") if t])
+    os.write(1, READY_LINE)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=serve_connection, args=(conn, toolbox), daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""What every sandbox kind shares: the spec, the interface, the socket client and the
+start/execute/stop lifecycle of an action server child process."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollout_service.errors import SandboxError
+from rollout_service.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "action.sock"
+INNER_SOCKET_DIR = "/run/rollout"
+INNER_WORKSPACE = "/workspace"
+START_TIMEOUT_S = 60.0
+CALL_GRACE_S = 30.0
+MAX_SOCKET_PATH = 107
+BOOTSTRAP = (
+    "import sys; sys.path[0] = {path!r}; "
+    "from rollout_service.sandbox.action_server import main; main()"
+)  # sys.path[0] would be the workspace: a file there must never shadow a module of the server
+
+
+@dataclass
+class SandboxSpec:
+    job_id: str
+    workspace: str
+    image: str | None = None
+    tools: tuple[str, ...] = ("bash", "ipython", "editor", "finish")
+    memory_mb: int = 2048
+    cpu_time_s: int = 3600
+    max_procs: int = 256
+    ttl_s: float = 7200
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Sandbox(Protocol):
+    sandbox_id: str
+
+    def start(self) -> None: ...
+
+    def execute(self, tool: str, args: dict, timeout_s: float) -> dict: ...
+
+    def stop(self) -> None: ...
+
+
+class ActionClient:
+    """One persistent connection to an action server; newline-delimited JSON each way."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._reader = self._sock.makefile("rb")
+
+    def call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self._sock.settimeout(timeout_s)
+        self._sock.sendall(json.dumps(request).encode() + b"\n")
+        line = self._reader.readline()
+        if not line:
+            raise ConnectionError("the action server closed the connection")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self._reader.close()
+        self._sock.close()
+
+
+def package_root() -> str:
+    """The directory that holds the ``rollout_service`` package (the action server imports it)."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+def server_arguments(spec: SandboxSpec, socket_path: str, workspace: str, package_dir: str) -> list[str]:
+    """Python arguments that start the action server with ``package_dir`` first on sys.path."""
+    return [
+        "-c", BOOTSTRAP.format(path=package_dir),
+        "--socket", socket_path,
+        "--workspace", workspace,
+        "--tools", ",".join(spec.tools),
+        "--memory-mb", str(spec.memory_mb),
+        "--cpu-time-s", str(spec.cpu_time_s),
+        "--max-procs", str(spec.max_procs),
+    ]  # fmt: skip
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The kernel's start time of ``pid``: with the pid, it names a process across pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process group leader and every descendant, including ones in other sessions."""
+    for _ in range(50):
+        victims = descendants(pid)
+        for target in [pid, *victims]:
+            try:
+                os.killpg(target, signal.SIGKILL) if target == pid else os.kill(target, signal.SIGKILL)
+            except OSError:
+                pass
+        if not victims:
+            return
+        time.sleep(0.01)
+
+
+class ServerSandbox:
+    """A sandbox whose action server is a child process listening on ``<socket_dir>/action.sock``.
+
+    Subclasses say how to launch it (``_launch``) and may prepare or release resources.
+    """
+
+    kind = ""
+    inner_socket_dir = INNER_SOCKET_DIR
+    inner_workspace = INNER_WORKSPACE
+
+    def __init__(self, spec: SandboxSpec, redis_client: Any = None) -> None:
+        self.spec = spec
+        self.redis = redis_client
+        self.sandbox_id = uuid.uuid4().hex[:16]
+        self.socket_dir: str | None = None
+        self.boot_s: float | None = None
+        self.process: subprocess.Popen | None = None
+        self._client: ActionClient | None = None
+        self._stopped = False
+        self._log_path: str | None = None
+
+    @property
+    def socket_path(self) -> str:
+        assert self.socket_dir is not None
+        return os.path.join(self.socket_dir, SOCKET_NAME)
+
+    def start(self) -> None:
+        if self.process is not None:
+            raise SandboxError(f"sandbox {self.sandbox_id} was already started; create a new one")
+        began = time.monotonic()
+        if not os.path.isdir(self.spec.workspace):
+            raise SandboxError(
+                f"workspace {self.spec.workspace!r} does not exist; the init stage must create it before start()"
+            )
+        try:
+            self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
+            if len(self.socket_path) > MAX_SOCKET_PATH:
+                raise SandboxError(
+                    f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
+                    "point TMPDIR at a shorter directory"
+                )
+            self._log_path = os.path.join(self.socket_dir, "server.log")
+            self._prepare()
+            argv, popen_options = self._launch()
+            with open(self._log_path, "ab") as log_file:
+                self.process = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log_file,
+                    start_new_session=True,
+                    **popen_options,
+                )
+            self._wait_ready(began + START_TIMEOUT_S)
+            self._client = ActionClient(self.socket_path)
+            self._client.call({"tool": "_ping", "args": {}}, START_TIMEOUT_S)
+        except SandboxError:
+            self.stop()
+            raise
+        except (OSError, ValueError) as exc:
+            message = f"{self.kind} sandbox failed to start: {exc}; {self._log_tail()}"
+            self.stop()
+            raise SandboxError(message) from exc
+        self.boot_s = time.monotonic() - began
+        if self.redis is not None:
+            from rollout_service.sandbox.registry import register
+
+            register(self.redis, self)
+
+    def execute(self, tool: str, args: dict, timeout_s: float) -> dict:
+        if self._client is None:
+            raise SandboxError(f"sandbox {self.sandbox_id} is not running; call start() first")
+        settings = get_settings()
+        request = {
+            "tool": tool,
+            "args": args,
+            "timeout_s": float(timeout_s) if timeout_s and timeout_s > 0 else settings.tool_timeout_s,
+            "output_cap": settings.tool_output_cap_bytes,
+        }
+        try:
+            return self._client.call(request, request["timeout_s"] + CALL_GRACE_S)
+        except (OSError, ValueError) as exc:
+            raise SandboxError(
+                f"the action server of {self.kind} sandbox {self.sandbox_id} stopped answering ({exc}); "
+                f"the sandbox is unusable: stop it and start a new one. {self._log_tail()}"
+            ) from exc
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._client is not None:
+            try:
+                self._client.close()
+            except OSError:
+                pass
+            self._client = None
+        if self.process is not None:
+            kill_tree(self.process.pid)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("sandbox %s: process %s did not die after SIGKILL", self.sandbox_id, self.process.pid)
+            if self.process.stdout is not None:
+                self.process.stdout.close()
+        if self.redis is not None:
+            from rollout_service.sandbox.registry import unregister
+
+            try:
+                unregister(self.redis, self.sandbox_id)
+            except Exception as exc:  # the reaper cleans up what could not be unregistered
+                log.warning("sandbox %s: could not unregister: %s", self.sandbox_id, exc)
+        self._release()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    def _prepare(self) -> None:
+        """Get resources ready before launch (uids, images)."""
+
+    def _launch(self) -> tuple[list[str], dict[str, Any]]:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Give back what ``_prepare`` took."""
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        line = b""
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise SandboxError(
+                    f"{self.kind} sandbox did not become ready within {START_TIMEOUT_S:g} s; {self._log_tail()}"
+                )
+            chunk = os.read(fd, 64)
+            if not chunk:
+                self.process.wait()
+                raise SandboxError(
+                    f"{self.kind} sandbox exited with code {self.process.returncode} before it was ready; "
+                    f"{self._log_tail()}"
+                )
+            line += chunk
+        if line != b"ready\n":
+            raise SandboxError(f"{self.kind} sandbox printed {line!r} instead of 'ready'; {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self._log_path or "", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 2000))
+                text = f.read().decode("utf-8", "replace").strip()
+        except OSError:
+            return "no server log"
+        return f"server log: {text}" if text else "the server log is empty"
+
+    def sandbox_env(self) -> dict[str, str]:
+        """What the tools see: a clean environment plus ``spec.env``; nothing of the worker's."""
+        path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        env = {
+            "PATH": f"{path}:{os.path.dirname(sys.executable)}",
+            "HOME": "/tmp",
+            "USER": "sandbox",
+            "LOGNAME": "sandbox",
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+        }
+        env.update(self.spec.env)
+        return env
+
+    def __enter__(self) -> "ServerSandbox":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

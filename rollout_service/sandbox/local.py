@@ -1,0 +1,28 @@
+"""The ``local`` sandbox: the action server as a plain child process. No isolation at all:
+for development on machines without bubblewrap, and only when asked for by name."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from rollout_service.sandbox.base import ServerSandbox, package_root, server_arguments
+
+log = logging.getLogger(__name__)
+
+
+class LocalSandbox(ServerSandbox):
+    kind = "local"
+
+    def _launch(self) -> tuple[list[str], dict[str, Any]]:
+        log.warning(
+            "LOCAL SANDBOX %s for job %s: NO ISOLATION. The agent's commands run as this user, with "
+            "network access and write access to everything this user can write. Use ROLLOUT_SANDBOX=bwrap "
+            "(apt-get install bubblewrap) or singularity for anything but development.",
+            self.sandbox_id,
+            self.spec.job_id,
+        )
+        env = self.sandbox_env()
+        env["HOME"] = self.spec.workspace
+        argv = [sys.executable, *server_arguments(self.spec, self.socket_path, self.spec.workspace, package_root())]
+        return argv, {"cwd": self.spec.workspace, "env": env}

@@ -1,0 +1,77 @@
+"""Every running sandbox in Redis, so that a reaper can kill what outlived its expiry.
+
+``rollout:sandbox:<id>`` is a hash (host, pid, pid_start, expiry, job_id, kind, socket_dir);
+``rollout:sandbox:expiry`` is a sorted set of ids by expiry time.
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from typing import Any
+
+from rollout_service.sandbox.base import kill_tree, process_start_ticks
+
+PREFIX = "rollout:sandbox"
+EXPIRY_KEY = f"{PREFIX}:expiry"
+
+
+def sandbox_key(sandbox_id: str) -> str:
+    return f"{PREFIX}:{sandbox_id}"
+
+
+def register(redis_client: Any, sandbox: Any) -> None:
+    pid = sandbox.process.pid
+    expiry = time.time() + float(sandbox.spec.ttl_s)
+    record = {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pid_start": process_start_ticks(pid) or 0,
+        "expiry": expiry,
+        "job_id": sandbox.spec.job_id,
+        "kind": sandbox.kind,
+        "socket_dir": sandbox.socket_dir or "",
+        "started_at": time.time(),
+    }
+    pipe = redis_client.pipeline()
+    pipe.hset(sandbox_key(sandbox.sandbox_id), mapping=record)
+    pipe.zadd(EXPIRY_KEY, {sandbox.sandbox_id: expiry})
+    pipe.execute()
+
+
+def unregister(redis_client: Any, sandbox_id: str) -> None:
+    pipe = redis_client.pipeline()
+    pipe.delete(sandbox_key(sandbox_id))
+    pipe.zrem(EXPIRY_KEY, sandbox_id)
+    pipe.execute()
+
+
+def registered(redis_client: Any, sandbox_id: str) -> dict[str, str]:
+    raw = redis_client.hgetall(sandbox_key(sandbox_id))
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
+    """Kill the sandboxes on ``host`` (default: this one) whose expiry has passed; return their ids."""
+    host = host or socket.gethostname()
+    reaped = []
+    for raw_id in redis_client.zrangebyscore(EXPIRY_KEY, "-inf", time.time()):
+        sandbox_id = _text(raw_id)
+        record = registered(redis_client, sandbox_id)
+        if not record:
+            redis_client.zrem(EXPIRY_KEY, sandbox_id)
+            continue
+        if record.get("host") != host:
+            continue
+        pid = int(record.get("pid") or 0)
+        if pid > 0 and process_start_ticks(pid) == int(record.get("pid_start") or -1):
+            kill_tree(pid)
+        if record.get("socket_dir"):
+            shutil.rmtree(record["socket_dir"], ignore_errors=True)
+        unregister(redis_client, sandbox_id)
+        reaped.append(sandbox_id)
+    return reaped
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,353 @@
+"""Inference clients for the vLLM and SGLang token APIs, against the reference server
+(scripted replay or the tiny HF model) in a real subprocess over real HTTP."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import pytest
+
+from rollout_service.errors import BackendError, BackendRejected, BackendTimeout, BackendUnreachable, UnknownName
+from rollout_service.inference import SGLangClient, VLLMClient, make_client
+from rollout_service.redis_server import free_port
+from rollout_service.reference_server import ReferenceServerProcess, scripted_logprob
+from rollout_service.schemas import Sampling
+from rollout_service.tokens import ChatRenderer, load_tokenizer
+from tests.fixtures_tokens import logged_requests
+
+KINDS = ["vllm", "sglang"]
+CALL = '<tool_call>\n{"name": "ipython", "arguments": {"code": "print(2 + 2)"}}\n</tool_call>'
+SCRIPT = {"episodes": [
+    {"match": "What is 2 + 2?", "turns": ["Let me compute.\n" + CALL, "It is \\boxed{4}."]},
+    {"match": "What is 3 + 3?", "turns": [{"text": "Six.", "delay_s": 0.3}]},
+]}
+
+
+@pytest.fixture
+def renderer(tiny_tokenizer_dir: Path) -> ChatRenderer:
+    return ChatRenderer(load_tokenizer(str(tiny_tokenizer_dir)))
+
+
+def prompt_for(renderer: ChatRenderer, question: str) -> list[int]:
+    return renderer.initial_prompt([{"role": "user", "content": question}], [])
+
+
+def generate(kind: str, url: str, prompt: list[int], max_new_tokens: int = 64, timeout_s: float = 10,
+             **sampling: object):
+    return make_client(kind, url, "tiny").generate(prompt, Sampling(**sampling), max_new_tokens, timeout_s)
+
+
+def mock_client(client_class: type, handler: Callable[[httpx.Request], httpx.Response]) -> VLLMClient | SGLangClient:
+    return client_class("http://mock", "tiny", http=httpx.Client(transport=httpx.MockTransport(handler)),
+                        connect_retries=0)
+
+
+# --------------------------------------------------------------------------- against the scripted server
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ids_and_logprobs_are_exactly_what_the_server_logged(kind, scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    prompt = prompt_for(renderer, "What is 2 + 2?")
+    generation = generate(kind, url, prompt)
+
+    call, = logged_requests(url)
+    assert call["protocol"] == kind and call["prompt_ids"] == prompt
+    assert generation.token_ids == call["output_ids"] and generation.logprobs == call["logprobs"]
+    assert generation.logprobs == [scripted_logprob(len(prompt) + i, t) for i, t in enumerate(generation.token_ids)]
+    assert renderer.decode(generation.token_ids) == "Let me compute.\n" + CALL + "<|im_end|>"
+    assert generation.finish_reason == "stop" and generation.latency_s > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_next_turn_is_served_after_the_observation_delta_is_appended(kind, scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    prompt = prompt_for(renderer, "What is 2 + 2?")
+    first = generate(kind, url, prompt)
+    prompt += first.token_ids + renderer.observation_delta([{"role": "tool", "content": "4"}], first.token_ids)
+    second = generate(kind, url, prompt)
+    assert renderer.decode_generation(second.token_ids) == "It is \\boxed{4}."
+    assert logged_requests(url)[-1]["prompt_ids"] == prompt
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_max_tokens_cuts_the_turn_with_finish_reason_length(kind, scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    prompt = prompt_for(renderer, "What is 2 + 2?")
+    generation = generate(kind, url, prompt, max_new_tokens=3)
+    assert generation.finish_reason == "length"
+    assert generation.token_ids == renderer.encode("Let me compute.")[:3]
+    assert len(generation.logprobs) == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_no_episode_matches_is_rejected_with_the_servers_message(kind, scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    with pytest.raises(BackendRejected, match="answered 400 .*no scripted episode matches") as caught:
+        generate(kind, url, prompt_for(renderer, "What is 9 + 9?"))
+    assert caught.value.status == 400 and url in str(caught.value)
+
+
+def test_a_script_whose_turns_are_exhausted_says_so(scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    prompt = prompt_for(renderer, "What is 3 + 3?")
+    first = generate("vllm", url, prompt)
+    prompt += first.token_ids + renderer.observation_delta([{"role": "user", "content": "More?"}], first.token_ids)
+    with pytest.raises(BackendRejected, match="has 1 turn"):
+        generate("vllm", url, prompt)
+
+
+def test_concurrent_rollouts_of_different_episodes_are_served_in_parallel(scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    questions = ["What is 3 + 3?", "What is 2 + 2?"] * 4
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(questions)) as pool:
+        generations = list(pool.map(lambda q: generate("sglang", url, prompt_for(renderer, q)), questions))
+    assert time.monotonic() - started < 4 * 0.3
+    texts = [renderer.decode_generation(g.token_ids) for g in generations]
+    assert texts == ["Six.", "Let me compute.\n" + CALL] * 4
+
+
+def test_a_slow_server_raises_backend_timeout(scripted_server, renderer):
+    url = scripted_server({"episodes": [{"match": "slow", "turns": [{"text": "zzz", "delay_s": 3}]}]})
+    with pytest.raises(BackendTimeout, match="did not answer within 0.5 s"):
+        generate("vllm", url, prompt_for(renderer, "slow"), timeout_s=0.5)
+
+
+def test_the_vllm_response_has_token_id_strings_and_a_text_without_special_tokens(scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    prompt = prompt_for(renderer, "What is 2 + 2?")
+    body = httpx.post(f"{url}/v1/completions", json={
+        "prompt": prompt, "max_tokens": 50, "logprobs": 0, "return_tokens_as_token_ids": True}).json()
+    choice = body["choices"][0]
+    assert choice["token_ids"] is None
+    ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    assert renderer.decode(ids) == "Let me compute.\n" + CALL + "<|im_end|>"
+    assert "<tool_call>" not in choice["text"]  # why tool calls are parsed from ids, not text
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                             "total_tokens": len(prompt) + len(ids)}
+
+
+def test_a_text_prompt_is_tokenized_by_the_server_for_curl_users(scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    text = renderer.decode(prompt_for(renderer, "What is 3 + 3?"))
+    body = httpx.post(f"{url}/generate", json={"text": text, "sampling_params": {"skip_special_tokens": False}}).json()
+    assert body["text"] == "Six.<|im_end|>" and body["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_unknown_routes_and_bad_bodies_get_json_errors(scripted_server):
+    url = scripted_server(SCRIPT)
+    assert httpx.get(f"{url}/nope").json()["error"]["code"] == 404
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": [1, "x"]})
+    assert bad.status_code == 400 and "list of token ids" in bad.json()["error"]["message"]
+
+
+def test_the_fail_rate_knob_injects_503s(scripted_server, renderer):
+    url = scripted_server(SCRIPT, "--fail-rate", "1")
+    with pytest.raises(BackendRejected, match="503 .*injected failure") as caught:
+        generate("vllm", url, prompt_for(renderer, "What is 2 + 2?"))
+    assert caught.value.status == 503
+
+
+def test_a_bad_script_stops_the_server_at_startup_with_the_reason(tmp_path, tiny_tokenizer_dir):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"episodes": [{"turns": ["hi"]}]}))
+    server = ReferenceServerProcess(["--script", str(script), "--tokenizer", str(tiny_tokenizer_dir)],
+                                    port=free_port(), log_path=tmp_path / "server.log")
+    with pytest.raises(RuntimeError, match='episode 0 needs a "match" string'):
+        server.start(timeout_s=30)
+
+
+def test_the_server_log_can_be_cleared(scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    generate("vllm", url, prompt_for(renderer, "What is 2 + 2?"))
+    assert len(logged_requests(url)) == 1
+    httpx.delete(f"{url}/debug/requests")
+    assert logged_requests(url) == []
+
+
+# --------------------------------------------------------------------------- wire format, mocked
+
+
+def assert_has(body: dict, expected: dict) -> None:
+    assert {key: body.get(key) for key in expected} == expected
+
+
+def vllm_payload(choice: dict) -> dict:
+    return {"id": "cmpl-1", "object": "text_completion", "choices": [
+        {"index": 0, "text": "", "finish_reason": "stop", **choice}]}
+
+
+def test_the_vllm_client_asks_for_token_ids_and_sampled_logprobs_and_keeps_special_tokens():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=vllm_payload(
+            {"token_ids": [5, 2], "logprobs": {"token_logprobs": [-0.5, -0.25], "tokens": ["token_id:5", "token_id:2"]}}))
+
+    client = mock_client(VLLMClient, handler)
+    client.generate([1, 2, 3], Sampling(temperature=0.7, top_p=0.9, top_k=20, seed=7, stop_token_ids=[9]), 32, 5)
+    request, = seen
+    assert request.url.path == "/v1/completions"
+    assert_has(json.loads(request.content), {
+        "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+        "seed": 7, "stop_token_ids": [9], "logprobs": 0, "return_token_ids": True,
+        "return_tokens_as_token_ids": True, "skip_special_tokens": False})
+
+
+def test_the_vllm_client_reads_ids_from_token_ids_when_present():
+    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
+        {"token_ids": [11, 2], "logprobs": {"token_logprobs": [-1.5, -0.125], "tokens": ["a", "b"]}})))
+    generation = client.generate([1], Sampling(), 8, 5)
+    assert generation.token_ids == [11, 2] and generation.logprobs == [-1.5, -0.125]
+
+
+def test_the_vllm_client_reads_ids_from_token_id_strings_of_older_servers():
+    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
+        {"finish_reason": "length", "logprobs": {"token_logprobs": [-1.5, -0.1234567890123],
+                                                 "tokens": ["token_id:11", "token_id:700"]}})))
+    generation = client.generate([1], Sampling(), 2, 5)
+    assert generation.token_ids == [11, 700] and generation.logprobs == [-1.5, -0.1234567890123]
+    assert generation.finish_reason == "length"
+
+
+@pytest.mark.parametrize("choice, problem", [
+    ({"logprobs": {"token_logprobs": [-1.0], "tokens": ["a"]}}, "neither choices\\[0\\].token_ids"),
+    ({"token_ids": [1], "logprobs": {"token_logprobs": [-1.0], "tokens": ["token_id:2"]}}, "disagree"),
+    ({"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0], "tokens": ["x", "y"]}}, "2 token ids but 1 logprobs"),
+    ({"token_ids": [1]}, "logprobs is missing"),
+    ({"token_ids": [1], "finish_reason": "abort", "logprobs": {"token_logprobs": [-1.0]}}, "finish reason 'abort'"),
+])
+def test_malformed_vllm_answers_are_backend_errors(choice, problem):
+    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(choice)))
+    with pytest.raises(BackendError, match=problem):
+        client.generate([1], Sampling(), 8, 5)
+
+
+def test_the_sglang_client_sends_input_ids_and_reads_the_logprob_triples():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"text": "", "output_ids": [4, 2], "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "output_token_logprobs": [[-0.75, 4, None], [-0.0625, 2, None]]}})
+
+    generation = mock_client(SGLangClient, handler).generate([1, 2], Sampling(seed=3, stop_token_ids=[9]), 16, 5)
+    assert (generation.token_ids, generation.logprobs, generation.finish_reason) == ([4, 2], [-0.75, -0.0625], "stop")
+    body, = seen
+    assert body["input_ids"] == [1, 2] and body["return_logprob"] is True
+    assert_has(body["sampling_params"], {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                         "stop_token_ids": [9], "skip_special_tokens": False, "sampling_seed": 3})
+
+
+def test_a_non_json_answer_is_a_backend_error():
+    client = mock_client(SGLangClient, lambda r: httpx.Response(200, text="<html>oops</html>"))
+    with pytest.raises(BackendError, match="not JSON"):
+        client.generate([1], Sampling(), 8, 5)
+
+
+def test_a_404_suggests_checking_the_backend_kind():
+    client = mock_client(SGLangClient, lambda r: httpx.Response(404, json={"detail": "Not Found"}))
+    with pytest.raises(BackendRejected, match="Not Found .*register the backend with the right kind"):
+        client.generate([1], Sampling(), 8, 5)
+
+
+def test_connection_errors_are_retried_against_the_same_server_then_raised():
+    attempts = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempts.append(str(request.url))
+        raise httpx.ConnectError("refused", request=request)
+
+    client = VLLMClient("http://mock", "tiny", http=httpx.Client(transport=httpx.MockTransport(handler)),
+                        connect_retries=2)
+    with pytest.raises(BackendUnreachable):
+        client.generate([1], Sampling(), 8, 5)
+    assert attempts == ["http://mock/v1/completions"] * 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_refused_connection_fails_quickly_with_an_error_naming_the_url(kind):
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(BackendUnreachable, match=f"cannot reach the {kind} backend at {url}"):
+        generate(kind, url, [1, 2, 3])
+    assert time.monotonic() - started < 2
+
+
+def test_make_client_knows_vllm_sglang_and_the_reference_server():
+    assert isinstance(make_client("reference", "http://x/", "m"), VLLMClient)
+    assert isinstance(make_client("sglang", "http://x", "m"), SGLangClient)
+    assert make_client("vllm", "http://x/", "m").url == "http://x"
+    with pytest.raises(UnknownName, match="valid: reference, sglang, vllm"):
+        make_client("tgi", "http://x", "m")
+
+
+# --------------------------------------------------------------------------- against the tiny HF model
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def independent_logprobs(model: object, prompt: list[int], generated: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0]
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)
+    return [float(log_softmax[len(prompt) - 1 + i, token]) for i, token in enumerate(generated)]
+
+
+@pytest.fixture
+def model_prompt(tiny_model_dir) -> list[int]:
+    renderer = ChatRenderer(load_tokenizer(str(tiny_model_dir)))
+    return renderer.initial_prompt([{"role": "user", "content": "What is 2 + 2?"}], [])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_model_servers_logprobs_are_the_models_own_log_softmax(kind, model_server, model_prompt, tiny_lm):
+    generation = generate(kind, model_server, model_prompt, max_new_tokens=24, temperature=1.0, seed=11)
+    assert len(generation.token_ids) >= 1
+    expected = independent_logprobs(tiny_lm, model_prompt, generation.token_ids)
+    assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_temperature_zero_is_greedy(model_server, model_prompt, tiny_lm):
+    import torch
+
+    generation = generate("vllm", model_server, model_prompt, max_new_tokens=6, temperature=0.0)
+    ids = list(model_prompt)
+    for token in generation.token_ids:
+        with torch.no_grad():
+            assert token == int(tiny_lm(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+
+
+def test_the_same_seed_samples_the_same_tokens(model_server, model_prompt):
+    first = generate("sglang", model_server, model_prompt, max_new_tokens=12, seed=5, top_p=0.9, top_k=50)
+    second = generate("vllm", model_server, model_prompt, max_new_tokens=12, seed=5, top_p=0.9, top_k=50)
+    assert first.token_ids == second.token_ids and first.logprobs == second.logprobs
+
+
+def test_generation_stops_at_a_stop_token_and_includes_it(model_server, model_prompt):
+    greedy = generate("vllm", model_server, model_prompt, max_new_tokens=8, temperature=0.0).token_ids
+    stop_at = max(i for i, t in enumerate(greedy) if t not in greedy[:i])  # its first occurrence
+    stopped = generate("vllm", model_server, model_prompt, max_new_tokens=8, temperature=0.0,
+                       stop_token_ids=[greedy[stop_at]])
+    assert stopped.token_ids == greedy[:stop_at + 1] and stopped.finish_reason == "stop"
+
+
+def test_the_model_server_lists_its_model_and_context_length(model_server, tiny_model_dir):
+    model, = httpx.get(f"{model_server}/v1/models").json()["data"]
+    assert model["id"] == str(tiny_model_dir) and model["max_model_len"] == 8192
