@@ -6,7 +6,7 @@ from typing import Callable, Optional
 
 from rollout_service.agent import EpisodeInterrupted
 from rollout_service.backends import BackendPool
-from rollout_service.errors import BackendError, NoBackendAvailable
+from rollout_service.errors import BackendError, BackendUnreachable, NoBackendAvailable
 from rollout_service.inference import InferenceClient, make_client
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.trajectory import TrajectoryBuilder
@@ -32,22 +32,23 @@ class PooledLLM:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
         backend = self.pool.acquire(self.job_id, self.sampling.model)
         version = self._begin_call()
+        moved_from = None
         try:
             for _ in range(self.max_moves + 1):
                 client = client_for(backend.kind, backend.url, backend.model)
                 try:
                     gen = client.generate(prompt_ids, self.sampling, max_new_tokens, self.call_timeout_s)
                     break
-                except BackendError as exc:
-                    if not _is_unreachable(exc):
-                        raise
+                except BackendUnreachable as exc:
+                    moved_from = moved_from or backend.id
                     backend = self._move(backend, exc)
             else:
                 raise NoBackendAvailable(f"job {self.job_id} lost {self.max_moves + 1} backends in one call")
         finally:
             self.pool.end_call(self.job_id)
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
-                              finish_reason=gen.finish_reason, latency_s=gen.latency_s)
+                              finish_reason=gen.finish_reason, latency_s=gen.latency_s,
+                              moved_from=moved_from)
         return gen.token_ids
 
     def release(self) -> None:
@@ -65,10 +66,6 @@ class PooledLLM:
             return self.pool.move(self.job_id, dead.id)
         except NoBackendAvailable as none_left:
             raise NoBackendAvailable(f"{exc}; and no other healthy backend to move to: {none_left}") from exc
-
-
-def _is_unreachable(exc: BackendError) -> bool:
-    return type(exc).__name__ in ("BackendUnreachable",) or getattr(exc, "unreachable", False)
 
 
 def stale_check(pool: BackendPool, record: TrajectoryBuilder, max_policy_lag: Optional[int]) -> bool:

@@ -131,6 +131,7 @@ class Turn(BaseModel):
     policy_version: Optional[int] = None
     finish_reason: Optional[str] = None
     latency_s: float = 0.0
+    moved_from: Optional[str] = Field(None, description="backend that died during this call")
 
 
 class Trajectory(BaseModel):

@@ -24,7 +24,8 @@ class TrajectoryBuilder:
         return len(self.prompt_ids) + len(self.response_ids)
 
     def add_generation(self, token_ids: list[int], logprobs: list[float], *, backend_id: str,
-                       policy_version: Optional[int], finish_reason: str, latency_s: float) -> None:
+                       policy_version: Optional[int], finish_reason: str, latency_s: float,
+                       moved_from: Optional[str] = None) -> None:
         if len(token_ids) != len(logprobs):
             from rollout_service.errors import BackendError
 
@@ -32,7 +33,8 @@ class TrajectoryBuilder:
                                f"{len(logprobs)} logprobs; is logprobs requested and supported?")
         self._append(token_ids, logprobs, 1, Turn(
             start=0, end=0, kind="generation", backend_id=backend_id,
-            policy_version=policy_version, finish_reason=finish_reason, latency_s=latency_s))
+            policy_version=policy_version, finish_reason=finish_reason, latency_s=latency_s,
+            moved_from=moved_from))
 
     def add_observation(self, token_ids: list[int], latency_s: float) -> None:
         self._append(token_ids, [0.0] * len(token_ids), 0,
