@@ -45,7 +45,7 @@ class LLM(Protocol):
 class Renderer(Protocol):
     def observation_delta(self, messages: list[dict[str, Any]], generated_ids: list[int]) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode_generation(self, ids: list[int]) -> str: ...
 
 
 class Executor(Protocol):
@@ -80,7 +80,7 @@ class Agent:
             if room <= 0:
                 return self._end(FinishReason.context_length, final_text=text)
             generated = self.llm.generate(record.context_ids, min(self.limits.max_new_tokens, room), record)
-            text = self.renderer.decode(generated)
+            text = self.renderer.decode_generation(generated)
             parsed = self.parser.parse(text)
             record.messages.append({"role": "assistant", "content": text})
             if not parsed.calls and not parsed.errors:

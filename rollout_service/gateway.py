@@ -198,17 +198,19 @@ def create_app(settings: Settings | None = None) -> Flask:
 
 
 def body(default: Any = None) -> Any:
-    if not request.data:
+    """The request's JSON (or msgpack) object, whatever Content-Type curl -d sent with it."""
+    raw = request.get_data(cache=True, parse_form_data=False)
+    if not raw:
         if default is not None:
             return default
         raise ValidationError("empty body: send a JSON object with Content-Type: application/json")
     if request.mimetype == "application/msgpack":
         try:
-            return msgpack.unpackb(request.data, raw=False)
+            return msgpack.unpackb(raw, raw=False)
         except Exception as exc:
             raise ValidationError(f"body is not valid msgpack: {exc}") from exc
     try:
-        data = json.loads(request.data)
+        data = json.loads(raw)
     except ValueError as exc:
         raise ValidationError(f"body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):

@@ -181,7 +181,7 @@ class JobStore:
             timings=timings, reward=_float(f.get("reward")),
             finish_reason=f.get("finish_reason") or None, error=error, result=result,
             backend_id=f.get("backend_id") or None,
-            attempts=sum(int(f.get(f"attempts_{s}", 0)) for s in STAGES),
+            attempts=max(int(f.get(f"attempts_{s}", 0)) for s in STAGES),
             metadata=json.loads(f.get("metadata", "{}")),
         )
 

@@ -72,3 +72,10 @@ def test_bearer_auth_guards_v1_routes_when_a_token_is_set(monkeypatch, redis_url
     assert web.get("/v1/backends", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert web.get("/v1/backends", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert web.get("/healthz").status_code == 200
+
+
+def test_a_json_body_sent_without_content_type_is_accepted_like_curl_d_sends_it(service):
+    response = httpx.post(f"{service.url}/v1/jobs", content=b'{"task": {"domain": "math"}}',
+                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 400
+    assert "task.problem" in response.json()["error"]["message"]

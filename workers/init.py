@@ -7,7 +7,7 @@ from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, ValidationError
 from rollout_service.store import workspace_dir
 from rollout_service.tasks import get_handler
-from rollout_service.tokens import ChatRenderer, load_tokenizer
+from rollout_service.tokens import renderer_for
 from rollout_service.tools.schemas import tool_schemas
 from workers.celery_app import app
 from workers.stage import StageContext, run_stage_task
@@ -34,7 +34,7 @@ def prepare_job(ctx: StageContext) -> None:
     if request.agent.system_prompt is not None:
         messages = [{"role": "system", "content": request.agent.system_prompt}] + \
             [m for m in messages if m["role"] != "system"]
-    prompt_ids = ChatRenderer(load_tokenizer(tokenizer)).initial_prompt(messages, tool_schemas(tools))
+    prompt_ids = renderer_for(tokenizer).initial_prompt(messages, tool_schemas(tools))
     ctx.store.put_blob(ctx.job_id, "prepared", {
         "prompt_ids": prompt_ids, "messages": messages, "tools": list(tools), "model": model,
         "tokenizer": tokenizer, "workspace": str(workspace), "image": prepared.image,

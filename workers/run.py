@@ -12,7 +12,7 @@ from rollout_service.llm import PooledLLM, stale_check
 from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.schemas import FinishReason, JobStatus
 from rollout_service.tasks import get_handler
-from rollout_service.tokens import ChatRenderer, load_tokenizer
+from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers.celery_app import app
 from workers.stage import StageContext, run_stage_task
@@ -45,7 +45,7 @@ def run_episode(ctx: StageContext) -> None:
                                                  max(ctx.remaining_s(), 0.001)), stop_reason)
     sandbox = None
     agent = Agent(
-        llm=llm, renderer=ChatRenderer(load_tokenizer(prepared["tokenizer"])),
+        llm=llm, renderer=renderer_for(prepared["tokenizer"]),
         parser=get_parser(request.agent.tool_parser), tools=tools, executor=None,
         limits=Limits(max_turns=request.agent.max_turns or settings.max_turns,
                       max_new_tokens=sampling.max_new_tokens or settings.max_new_tokens,

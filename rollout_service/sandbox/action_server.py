@@ -115,7 +115,10 @@ def serve_connection(conn: socket.socket, toolbox: Toolbox) -> None:
                     answer = toolbox.handle(request)
                 except Exception as exc:  # a tool bug must not take the sandbox down
                     answer = error_observation(f"{type(exc).__name__}: {exc}")
-            conn.sendall(json.dumps(answer).encode() + b"\n")
+            try:
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+            except OSError:  # the worker went away; the next connection gets the next answer
+                return
             toolbox.first_answer.set()
 
 

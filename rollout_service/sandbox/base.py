@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,11 +67,13 @@ class ActionClient:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._reader = self._sock.makefile("rb")
+        self._lock = threading.Lock()
 
     def call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        self._sock.settimeout(timeout_s)
-        self._sock.sendall(json.dumps(request).encode() + b"\n")
-        line = self._reader.readline()
+        with self._lock:
+            self._sock.settimeout(timeout_s)
+            self._sock.sendall(json.dumps(request).encode() + b"\n")
+            line = self._reader.readline()
         if not line:
             raise ConnectionError("the action server closed the connection")
         return json.loads(line)

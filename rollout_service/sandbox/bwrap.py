@@ -136,7 +136,9 @@ def bwrap_argv(
         argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     argv += host_root_mounts() + ["--dev", "/dev", "--proc", "/proc"]
-    argv += ["--size", tmp_size, "--tmpfs", "/tmp", "--size", tmp_size, "--tmpfs", "/dev/shm", "--tmpfs", "/run"]
+    for private in ("/tmp", "/dev/shm"):
+        argv += ["--perms", "1777", "--size", tmp_size, "--tmpfs", private]
+    argv += ["--tmpfs", "/run"]
     needed = runtime_paths()
     for path in hide:
         if os.path.isdir(path) and not any(p == path or p.startswith(path.rstrip("/") + "/") for p in needed):

@@ -47,6 +47,9 @@ def _client() -> Any:
 
 def singularity_argv(spec: SandboxSpec, image: str, socket_dir: str) -> list[str]:
     """The exec command that runs the action server from the image's runtime prefix."""
+    for host_dir in (spec.workspace, socket_dir):
+        if not os.path.isdir(host_dir):  # spython would sys.exit() on a missing bind source
+            raise SandboxError(f"cannot bind {host_dir} into the container: it does not exist")
     client = _client()
     options = [*CONTAINMENT_FLAGS, "--pwd", "/workspace"]
     for key, value in sorted(spec.env.items()):

@@ -45,9 +45,12 @@ def require(task: dict[str, Any], name: str, kind: type | tuple[type, ...], doma
 
 
 def _handlers() -> dict[str, DomainHandler]:
+    from rollout_service.tasks.code import CodeHandler
     from rollout_service.tasks.math import MathHandler
+    from rollout_service.tasks.stem import StemHandler
+    from rollout_service.tasks.swe import SweHandler
 
-    return {"math": MathHandler()}
+    return {h.name: h for h in (MathHandler(), StemHandler(), CodeHandler(), SweHandler())}
 
 
 HANDLERS: dict[str, DomainHandler] = _handlers()

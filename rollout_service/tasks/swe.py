@@ -1,0 +1,289 @@
+"""Software-engineering tasks in the SWE-bench format, resolved like the SWE-bench harness.
+
+Task: ``instance_id, problem_statement, base_commit, test_patch, FAIL_TO_PASS, PASS_TO_PASS``
+(the two test lists as lists or JSON-encoded strings, as in the dataset), plus
+- ``repo_path``: a local git repository on the workers' file system; init fetches the history
+  up to ``base_commit`` (nothing later: the fix must not be in reach) into the job's
+  workspace, which the sandbox mounts at /workspace. ``repo_path`` itself is only read.
+- or ``image`` alone (Singularity, SWE-bench style): the repository is inside the image at
+  ``repo_dir`` (default /testbed) and the agent edits it there.
+Optional: ``test_cmd`` (default ``python -m pytest -rA -p no:cacheprovider``; the test ids
+are appended), ``timeout_s`` for the test run (capped by ROLLOUT_EVAL_TIMEOUT_S).
+
+Artifact: ``{"patch", "answer"}``; the patch is ``git add -A && git diff --cached base_commit``,
+computed inside the agent's sandbox (never by git on the host, where hooks and config the
+agent planted would run). Submission for ``POST /v1/score``: ``{"patch"}``.
+
+Eval: a fresh copy at ``base_commit`` in a fresh sandbox; ``git apply`` the patch; reset every
+file the test patch touches to ``base_commit`` (so editing tests cannot help); apply the test
+patch; run the FAIL_TO_PASS and PASS_TO_PASS tests; parse pytest's ``-rA`` summary. Resolved
+(reward 1) iff every FAIL_TO_PASS test passed (or xfailed) and every PASS_TO_PASS test passed
+(xfailed or skipped), as in SWE-bench's grading.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from rollout_service.errors import TaskError, ValidationError
+from rollout_service.schemas import ScoreResponse
+from rollout_service.settings import get_settings
+from rollout_service.tasks import Prepared, require
+from rollout_service.tasks.sandboxed import (eval_budget_s, grading_sandbox, grading_workspace,
+                                             read_sandbox_file, read_untrusted_file, run_script, shell)
+
+DEFAULT_IMAGE_REPO_DIR = "/testbed"
+PYTEST_ARGS = "-m pytest -rA -p no:cacheprovider"
+MAX_PATCH_BYTES = 8 * 1024 * 1024
+MAX_LOG_BYTES = 8 * 1024 * 1024
+LOG_TAIL_CHARS = 2000
+ARTIFACT_PATCH = "/tmp/rollout-artifact.patch"
+SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
+IGNORED_IN_DIFF = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
+PASSING = {"PASSED", "XFAIL"}
+MAINTAINED = PASSING | {"SKIPPED"}
+_STATUS_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+?)\s*$", re.MULTILINE)
+_STAGE = re.compile(r"ROLLOUT-STAGE ([\w-]+)(?: (\d+))?")
+_SHA = re.compile(r"[0-9a-fA-F]{7,40}")
+
+SYSTEM_PROMPT = (
+    "You are a software engineer fixing an issue in a repository, in a sandbox with bash and a file "
+    "editor. Find the cause, change the source code (not the existing tests), check your fix, then "
+    "call finish. Your changes are collected with git diff."
+)
+
+
+def test_ids(task: dict[str, Any], name: str) -> list[str]:
+    """A SWE-bench test list: a list of pytest node ids, or the same JSON-encoded in a string."""
+    value = task.get(name)
+    if value is None:
+        raise ValidationError(f"task.{name} is required for domain 'swe' (a list of pytest node ids)")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValidationError(f"task.{name} is a string but not JSON: give a list of pytest node ids "
+                                  "or its JSON encoding") from None
+    if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
+        raise ValidationError(f"task.{name} must be a list of pytest node ids (strings)")
+    return value
+
+
+def touched_files(patch: str) -> list[str]:
+    """Every path a unified diff touches, old and new names alike (without /dev/null)."""
+    paths: list[str] = []
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            found = re.match(r"diff --git a/(.+) b/(.+)$", line)
+            names = found.groups() if found else ()
+        elif line.startswith(("--- ", "+++ ")):
+            name = line[4:].split("\t")[0].strip()
+            names = (name[2:],) if name[:2] in ("a/", "b/") else ()
+        else:
+            continue
+        paths += [n for n in names if n not in paths and n != "dev/null"]
+    return paths
+
+
+def parse_pytest_log(log: str, wanted: list[str]) -> dict[str, str]:
+    """Status of each wanted node id in a pytest ``-rA`` log; a later line wins (the summary
+    comes last). A failure line is ``FAILED <id> - <message>``, so ids are matched as prefixes."""
+    wanted_set = set(wanted)
+    statuses: dict[str, str] = {}
+    for status, rest in _STATUS_LINE.findall(log):
+        if rest in wanted_set:
+            statuses[rest] = status
+            continue
+        for match in re.finditer(r" - ", rest):
+            if rest[:match.start()] in wanted_set:
+                statuses[rest[:match.start()]] = status
+                break
+    return statuses
+
+
+def git(*args: str, cwd: Optional[Path] = None) -> str:
+    """Run git on the host, on repositories the service made or the operator gave (never the agent's)."""
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1"}
+    result = subprocess.run(["git", "-c", "core.hooksPath=/dev/null", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    if result.returncode != 0:
+        raise TaskError(f"git {' '.join(args[:3])} failed: {result.stderr.strip()[-500:]}")
+    return result.stdout
+
+
+def materialize(repo_path: str, commit: str, target: Path, shallow: bool) -> str:
+    """A new repository in ``target`` holding ``commit`` (and, unless shallow, its history, but
+    nothing after it) checked out on branch ``main``. Returns the full commit id."""
+    source = Path(repo_path)
+    if not (source / ".git").exists() and not (source / "HEAD").exists():
+        raise TaskError(f"task.repo_path {repo_path} is not a git repository on this worker; give a path "
+                        "that every init and eval worker can read")
+    sha = git("-c", f"safe.directory={source}", "-C", str(source), "rev-parse", "--verify", "--quiet",
+              f"{commit}^{{commit}}").strip()
+    if not sha:
+        raise TaskError(f"task.base_commit {commit} is not a commit of {repo_path}")
+    target.mkdir(parents=True, exist_ok=True)
+    git("init", "-q", str(target))
+    git("-c", "protocol.version=2", "-c", f"safe.directory={source}", "-C", str(target), "fetch", "-q",
+        "--no-tags", *(["--depth", "1"] if shallow else []), str(source), sha)
+    git("-C", str(target), "checkout", "-q", "-B", "main", sha)
+    git("-C", str(target), "config", "user.name", "rollout-agent")
+    git("-C", str(target), "config", "user.email", "agent@rollout.invalid")
+    (target / ".git" / "FETCH_HEAD").unlink(missing_ok=True)
+    info = target / ".git" / "info"
+    info.mkdir(exist_ok=True)
+    with open(info / "exclude", "a") as f:
+        f.write("\n".join(IGNORED_IN_DIFF) + "\n")
+    return sha
+
+
+def clear_directory(path: Path) -> None:
+    """Empty ``path`` (a redelivered init starts from scratch)."""
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+class SweHandler:
+    name = "swe"
+    tools = ("bash", "editor", "finish")
+
+    def validate(self, task: dict[str, Any]) -> None:
+        require(task, "instance_id", str, self.name)
+        require(task, "problem_statement", str, self.name)
+        if not _SHA.fullmatch(require(task, "base_commit", str, self.name)):
+            raise ValidationError(f"task.base_commit must be a commit id (7 to 40 hex digits), "
+                                  f"got {task['base_commit']!r}")
+        require(task, "test_patch", str, self.name)
+        if not test_ids(task, "FAIL_TO_PASS"):
+            raise ValidationError("task.FAIL_TO_PASS must name at least one test (a pytest node id)")
+        test_ids(task, "PASS_TO_PASS")
+        if task.get("repo_path") is None and task.get("image") is None:
+            raise ValidationError("task.repo_path (a local git repository, for bwrap) or task.image "
+                                  "(for singularity) is required for domain 'swe'")
+        if task.get("repo_path") is not None and not os.path.isabs(require(task, "repo_path", str, self.name)):
+            raise ValidationError(f"task.repo_path must be an absolute path, got {task['repo_path']!r}")
+        for name in ("image", "test_cmd"):
+            if task.get(name) is not None:
+                require(task, name, str, self.name)
+        if task.get("repo_dir") is not None and not os.path.isabs(require(task, "repo_dir", str, self.name)):
+            raise ValidationError(f"task.repo_dir must be an absolute path inside the image, got {task['repo_dir']!r}")
+        timeout = task.get("timeout_s")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and timeout > 0):
+            raise ValidationError(f"task.timeout_s must be a positive number of seconds, got {timeout!r}")
+
+    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
+        clear_directory(workspace)
+        if task.get("repo_path"):
+            materialize(task["repo_path"], task["base_commit"], workspace, shallow=False)
+        elif get_settings().sandbox not in ("singularity", "apptainer"):
+            raise TaskError(f"task {task['instance_id']} has only an image, which needs ROLLOUT_SANDBOX="
+                            f"singularity (this worker uses {get_settings().sandbox}); give task.repo_path "
+                            "to run it with bwrap")
+        repo_dir = self.repo_dir(task)
+        user = (f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
+                f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "
+                "hidden tests will check it. When you are done, call finish.")
+        return Prepared(
+            messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
+                      {"role": "user", "content": user}],
+            tools=self.tools, image=task.get("image"), extra={"repo_dir": repo_dir},
+        )
+
+    @staticmethod
+    def repo_dir(task: dict[str, Any], workspace: str = "/workspace") -> str:
+        return workspace if task.get("repo_path") else task.get("repo_dir") or DEFAULT_IMAGE_REPO_DIR
+
+    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
+                 execute: Any) -> dict[str, Any]:
+        if execute is None:
+            return {"patch": "", "answer": answer, "error": "no sandbox ran, so nothing changed"}
+        base = task["base_commit"]
+        diff = shell(execute, f"cd {shlex.quote(self.repo_dir(task))} && {SAFE_GIT} add -A && {SAFE_GIT} "
+                              f"--no-pager diff --cached --no-color --no-ext-diff --no-textconv --binary {base} "
+                              f"> {ARTIFACT_PATCH}")
+        if diff.get("exit_code") != 0:
+            return {"patch": "", "answer": answer,
+                    "error": f"git diff failed in the sandbox: {diff.get('output', '')[-500:]}"}
+        data = read_sandbox_file(execute, ARTIFACT_PATCH, MAX_PATCH_BYTES) or b""
+        return {"patch": data.decode("utf-8", "replace"), "answer": answer}
+
+    def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
+        fail_to_pass, pass_to_pass = test_ids(task, "FAIL_TO_PASS"), test_ids(task, "PASS_TO_PASS")
+        patch = submission.get("patch")
+        patch = submission.get("model_patch") if patch is None else patch
+        if not isinstance(patch, str) or not patch.strip():
+            return self._report(fail_to_pass, pass_to_pass, {}, "empty-patch", "", "")
+        budget_s = eval_budget_s(task)
+        with grading_workspace("swe") as workspace:
+            if task.get("repo_path"):
+                materialize(task["repo_path"], task["base_commit"], workspace / "repo", shallow=True)
+            (workspace / "model.patch").write_text(patch if patch.endswith("\n") else patch + "\n")
+            (workspace / "test.patch").write_text(task["test_patch"])
+            (workspace / "grade.sh").write_text(grading_script(task, self.repo_dir(task, "/workspace/repo"),
+                                                               fail_to_pass + pass_to_pass, budget_s))
+            with grading_sandbox(workspace, task.get("image"), budget_s) as sandbox:
+                observation = run_script(sandbox, "/workspace/grade.sh", budget_s)
+            log = read_untrusted_file(workspace / "test.log", MAX_LOG_BYTES)
+            apply_log = read_untrusted_file(workspace / "apply.log", LOG_TAIL_CHARS)
+        stages = _STAGE.findall(observation.get("output", ""))
+        stage = "-".join(filter(None, stages[-1])) if stages else "grader-timeout"
+        statuses = parse_pytest_log(log, fail_to_pass + pass_to_pass)
+        return self._report(fail_to_pass, pass_to_pass, statuses, stage, log, apply_log)
+
+    @staticmethod
+    def _report(fail_to_pass: list[str], pass_to_pass: list[str], statuses: dict[str, str], stage: str,
+                log: str, apply_log: str) -> ScoreResponse:
+        f2p = [t for t in fail_to_pass if statuses.get(t) in PASSING]
+        p2p = [t for t in pass_to_pass if statuses.get(t) in MAINTAINED]
+        ran = stage.startswith("tests-exited")
+        resolved = ran and len(f2p) == len(fail_to_pass) and len(p2p) == len(pass_to_pass)
+        details: dict[str, Any] = {
+            "resolved": resolved,
+            "patch_applied": stage not in ("empty-patch", "patch-failed", "no-repo", "grader-timeout"),
+            "stage": stage,
+            "FAIL_TO_PASS": {"passed": len(f2p), "total": len(fail_to_pass)},
+            "PASS_TO_PASS": {"passed": len(p2p), "total": len(pass_to_pass)},
+            "tests": {t: statuses.get(t, "missing") for t in fail_to_pass + pass_to_pass},
+        }
+        if stage in ("patch-failed", "test-patch-failed", "no-repo"):
+            details["apply_log"] = apply_log[-LOG_TAIL_CHARS:]
+        if not resolved and log:
+            details["log_tail"] = log[-LOG_TAIL_CHARS:]
+        return ScoreResponse(reward=1.0 if resolved else 0.0, details=details)
+
+
+def grading_script(task: dict[str, Any], repo_dir: str, tests: list[str], budget_s: float) -> str:
+    """Apply the patch, reset what the test patch touches, apply the test patch, run the tests.
+    Each step prints a ``ROLLOUT-STAGE`` line; the test output goes to /workspace/test.log."""
+    base = task["base_commit"]
+    default_python = shlex.quote(sys.executable) if task.get("repo_path") or not task.get("image") else "python"
+    test_cmd = task.get("test_cmd") or f"{default_python} {PYTEST_ARGS}"
+    reset_files = " ".join(shlex.quote(f) for f in touched_files(task["test_patch"]))
+    return f"""#!/bin/bash
+G="{SAFE_GIT}"
+cd {shlex.quote(repo_dir)} || {{ echo "ROLLOUT-STAGE no-repo"; exit 0; }}
+if $G apply --verbose --whitespace=nowarn /workspace/model.patch > /workspace/apply.log 2>&1 || \\
+   $G apply --verbose --whitespace=nowarn --recount --ignore-whitespace /workspace/model.patch >> /workspace/apply.log 2>&1
+then echo "ROLLOUT-STAGE patch-applied"
+else echo "ROLLOUT-STAGE patch-failed"; exit 0
+fi
+for f in {reset_files}; do
+  if $G cat-file -e {base}:"$f" 2>/dev/null; then $G checkout -q {base} -- "$f"; else rm -rf -- "$f"; fi
+done
+$G apply --verbose --whitespace=nowarn /workspace/test.patch >> /workspace/apply.log 2>&1 || \\
+  {{ echo "ROLLOUT-STAGE test-patch-failed"; exit 0; }}
+echo "ROLLOUT-STAGE tests-started"
+timeout -k 5 {budget_s:g} {test_cmd} {" ".join(shlex.quote(t) for t in tests)} > /workspace/test.log 2>&1
+echo "ROLLOUT-STAGE tests-exited $?"
+"""

@@ -1,0 +1,114 @@
+"""The token-in/token-out agent loop, end to end: every trajectory is exactly the tokens the
+policy saw and produced, with the inference server's own logprobs."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from rollout_service.tokens import renderer_for
+from rollout_service.tools.schemas import tool_schemas
+from tests.test_pipeline import (
+    assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call,
+)
+
+FIVE_TURNS = [
+    "First, a variable.\n" + tool_call("ipython", code="x = 6"),
+    "Now square it.\n" + tool_call("ipython", code="y = x * x\nprint(y)"),
+    "Check a failure mode too.\n" + tool_call("ipython", code="1 / 0"),
+    "Halve it.\n" + tool_call("ipython", code="print(y // 2)"),
+    "So the answer is \\boxed{18}.\n" + tool_call("finish", answer="\\boxed{18}"),
+]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_five_turn_ipython_episode_is_token_exact_on_every_call(client, scripted_backend, tiny_tokenizer_dir, kind):
+    problem = f"Compute 6*6/2. ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": FIVE_TURNS}]}, kind=kind)
+    job_id, = client.submit(math_task(problem, answer="18")).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+    assert view.status.value == "completed", view.error
+    assert (view.reward, view.finish_reason.value) == (1.0, "finished")
+
+    trajectory = client.trajectory(job_id)
+    assert [t.kind for t in trajectory.turns] == ["generation", "observation"] * 4 + ["generation"]
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url))
+    observations = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert observations[1].strip() == "36"
+    assert "ZeroDivisionError" in observations[2]
+    assert observations[3].strip() == "18"
+
+    renderer = renderer_for(str(tiny_tokenizer_dir))
+    seen = renderer.decode(trajectory.prompt_ids + trajectory.response_ids)
+    chat = renderer.render_text(trajectory.messages, tool_schemas(["ipython", "finish"]))
+    assert seen == chat.rstrip("\n")
+
+
+def test_a_malformed_tool_call_is_answered_with_an_error_observation_and_the_episode_goes_on(
+        client, scripted_backend):
+    problem = f"Broken call ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
+        '<tool_call>\n{"name": "ipython", "arguments": {"code": "print(1)"\n</tool_call>',
+        tool_call("nonexistent_tool", x=1),
+        tool_call("finish", answer="4"),
+    ]}]})
+    job_id, = client.submit(math_task(problem)).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+    assert view.status.value == "completed" and view.finish_reason.value == "finished"
+    trajectory = client.trajectory(job_id)
+    errors = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert "JSON" in errors[0]
+    assert "nonexistent_tool" in errors[1] and "ipython" in errors[1]
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url))
+
+
+def test_the_context_limit_ends_the_episode_cleanly_and_truncated(client, scripted_backend):
+    problem = f"Long ({uuid.uuid4().hex[:6]})"
+    long_call = "Thinking " * 40 + tool_call("ipython", code="print('x' * 300)")
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": [long_call] * 20}]})
+    job_id, = client.submit(math_task(problem), sampling={"max_model_len": 900},
+                            agent={"max_turns": 20}).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+    assert view.status.value == "completed"
+    assert view.finish_reason.value == "context_length"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.truncated and trajectory.finish_reason.value == "context_length"
+    assert len(trajectory.prompt_ids) + len(trajectory.response_ids) <= 900
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url))
+
+
+def test_max_turns_ends_the_episode_truncated(client, scripted_backend):
+    problem = f"Loop ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [tool_call("ipython", code="1")] * 5}]})
+    view, = client.wait(client.submit(math_task(problem), agent={"max_turns": 3}).job_ids, timeout_s=120)
+    assert view.finish_reason.value == "max_turns"
+    trajectory = client.trajectory(view.job_id)
+    assert trajectory.truncated and sum(t.kind == "generation" for t in trajectory.turns) == 3
+
+
+def test_a_real_model_trajectory_carries_the_models_own_logprobs(client, service, model_server, tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    backend = client.add_backend(model_server, "vllm", "tiny-real", tokenizer=str(tiny_model_dir))
+    try:
+        job_id, = client.submit(math_task("What is 2 + 2?"), n=1,
+                                sampling={"model": "tiny-real", "max_new_tokens": 24, "temperature": 1.0,
+                                          "seed": 7}, agent={"max_turns": 3}).job_ids
+        view, = client.wait([job_id], timeout_s=180)
+        assert view.status.value == "completed", view.error
+        trajectory = client.trajectory(job_id)
+    finally:
+        client.remove_backend(backend.id)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([trajectory.prompt_ids + trajectory.response_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    offset = len(trajectory.prompt_ids)
+    generated = [i for i, m in enumerate(trajectory.loss_mask) if m == 1]
+    assert generated
+    for i in generated:
+        position = offset + i
+        expected = logprobs[position - 1, trajectory.response_ids[i]].item()
+        assert trajectory.logprobs[i] == pytest.approx(expected, abs=1e-4)

@@ -1,0 +1,314 @@
+"""Sandboxes with real bubblewrap and a real Redis: isolation, limits, lifecycle, registry."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from rollout_service.errors import SandboxError, UnknownName
+from rollout_service.sandbox import SANDBOXES, SandboxSpec, create_sandbox, reap_expired
+from rollout_service.sandbox.base import descendants
+from rollout_service.sandbox.registry import EXPIRY_KEY, registered, sandbox_key
+from rollout_service.sandbox.singularity import ensure_image, singularity_argv
+
+STAND_IN = Path(__file__).with_name("stand_in_singularity")
+
+
+def bash(sandbox, command: str, timeout_s: float = 10) -> dict:
+    return sandbox.execute("bash", {"command": command}, timeout_s)
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Pids that still exist and are not zombies."""
+    living = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            living.append(pid)
+    return living
+
+
+def wait_until(condition, timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    path = tmp_path / "workspace"
+    path.mkdir()
+    (path / "README.md").write_text("hello\n")
+    return path
+
+
+@pytest.fixture
+def sandbox(workspace: Path) -> Iterator:
+    box = create_sandbox("bwrap", SandboxSpec("job-test", str(workspace), tools=("bash", "editor", "finish")))
+    box.start()
+    yield box
+    box.stop()
+
+
+def test_unknown_sandbox_kind_is_an_error_listing_the_valid_kinds(workspace: Path) -> None:
+    with pytest.raises(UnknownName) as info:
+        create_sandbox("docker", SandboxSpec("j", str(workspace)))
+    for kind in SANDBOXES:
+        assert kind in str(info.value)
+
+
+def test_start_without_a_workspace_says_what_to_do(tmp_path: Path) -> None:
+    box = create_sandbox("bwrap", SandboxSpec("j", str(tmp_path / "missing")))
+    with pytest.raises(SandboxError, match="init stage must create it"):
+        box.start()
+    box.stop()
+
+
+def test_sandbox_can_write_its_workspace_and_nothing_else(sandbox, workspace: Path, tmp_path: Path) -> None:
+    assert bash(sandbox, "echo made > /workspace/new.txt && cat README.md")["output"] == "hello"
+    assert (workspace / "new.txt").read_text() == "made\n"
+    for target in ("/etc/escape", f"{tmp_path}/escape", "/work/escape", "/escape", "/usr/escape"):
+        observation = bash(sandbox, f"touch {target}")
+        assert observation["exit_code"] != 0, target
+    assert bash(sandbox, "echo private > /tmp/scratch && cat /tmp/scratch")["output"] == "private"
+    assert not Path("/tmp/scratch").exists()
+    assert not (tmp_path / "escape").exists()
+
+
+def test_sandbox_cannot_open_a_network_connection(sandbox, redis_url: str) -> None:
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from the host
+    for host in ("127.0.0.1", "1.1.1.1"):
+        code = f"import socket; socket.create_connection(('{host}', {port}), timeout=2)"
+        observation = bash(sandbox, f'python3 -c "{code}"')
+        assert observation["exit_code"] == 1, observation
+        assert "Error" in observation["output"]
+
+
+def test_sandbox_cannot_see_the_workers_environment(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORKER_SECRET_TOKEN", "do-not-leak")
+    spec = SandboxSpec("j", str(workspace), tools=("bash",), env={"TASK_FLAG": "visible"})
+    with create_sandbox("bwrap", spec) as box:
+        env = bash(box, "env")["output"]
+    assert "do-not-leak" not in env and "WORKER_SECRET_TOKEN" not in env
+    assert "TASK_FLAG=visible" in env
+    assert "PYTHONPATH" not in env
+
+
+def test_fork_bomb_is_contained_and_the_host_stays_responsive(workspace: Path) -> None:
+    spec = SandboxSpec("j", str(workspace), tools=("bash",), max_procs=48)
+    box = create_sandbox("bwrap", spec)
+    box.start()
+    try:
+        assert bash(box, "bomb() { bomb | bomb & }; bomb", timeout_s=5)["timed_out"] is False
+        time.sleep(1.5)
+        counts = []
+        for _ in range(5):
+            counts.append(len(descendants(box.process.pid)))
+            time.sleep(0.1)
+        started = time.monotonic()
+        subprocess.run(["true"], check=True)
+        assert time.monotonic() - started < 1.0
+        assert max(counts) <= spec.max_procs + 3, counts
+        assert max(counts) >= spec.max_procs // 2, "the bomb did not run, so nothing was proven"
+        assert bash(box, "echo still answering", timeout_s=10)["output"].endswith("still answering")
+        pids = descendants(box.process.pid)
+    finally:
+        box.stop()
+    assert wait_until(lambda: not alive(pids)), alive(pids)
+
+
+def test_memory_hog_gets_a_memory_error_and_the_sandbox_survives(workspace: Path) -> None:
+    spec = SandboxSpec("j", str(workspace), tools=("bash",), memory_mb=256)
+    with create_sandbox("bwrap", spec) as box:
+        observation = bash(box, "python3 -c 'x = bytearray(4 * 1024**3)'")
+        assert observation["exit_code"] == 1
+        assert "MemoryError" in observation["output"]
+        assert bash(box, "echo fine")["output"] == "fine"
+
+
+def test_stop_kills_every_process_of_the_sandbox_even_detached_ones(workspace: Path) -> None:
+    box = create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash", "ipython")))
+    box.start()
+    bash(box, "sleep 1000 & setsid sleep 1001 & nohup sleep 1002 >/dev/null 2>&1 &")
+    assert box.execute("ipython", {"code": "1 + 1"}, 60)["output"] == "2"
+    pids = descendants(box.process.pid)
+    assert len(pids) >= 5  # bwrap init, server, bash, three sleeps, kernel
+    box.stop()
+    box.stop()  # idempotent
+    assert box.process.poll() is not None
+    assert wait_until(lambda: not alive(pids)), alive(pids)
+    assert not os.path.exists(box.socket_dir)
+
+
+def test_execute_after_the_server_died_raises_sandbox_error(sandbox) -> None:
+    server = [pid for pid in descendants(sandbox.process.pid) if b"action_server" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert server
+    os.kill(server[0], 9)
+    with pytest.raises(SandboxError, match="stopped answering"):
+        bash(sandbox, "echo hi")
+
+
+def test_boot_to_first_answer_is_fast(workspace: Path) -> None:
+    boots = []
+    for _ in range(5):
+        with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash", "editor", "finish"))) as box:
+            boots.append(box.boot_s)
+    assert statistics.median(boots) < 0.3, boots
+
+
+def test_started_sandbox_is_registered_and_stop_unregisters_it(workspace: Path, redis_client) -> None:
+    box = create_sandbox("bwrap", SandboxSpec("job-7", str(workspace), tools=("bash",), ttl_s=60), redis_client)
+    box.start()
+    record = registered(redis_client, box.sandbox_id)
+    assert record["job_id"] == "job-7"
+    assert record["host"] == socket.gethostname()
+    assert int(record["pid"]) == box.process.pid
+    assert float(record["expiry"]) == pytest.approx(time.time() + 60, abs=5)
+    assert redis_client.zscore(EXPIRY_KEY, box.sandbox_id) is not None
+    box.stop()
+    assert not redis_client.exists(sandbox_key(box.sandbox_id))
+    assert redis_client.zscore(EXPIRY_KEY, box.sandbox_id) is None
+
+
+def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(workspace: Path, tmp_path: Path, redis_client) -> None:
+    live_ws = tmp_path / "live"
+    live_ws.mkdir()
+    expired = create_sandbox("bwrap", SandboxSpec("old", str(workspace), tools=("bash",), ttl_s=0.2), redis_client)
+    live = create_sandbox("bwrap", SandboxSpec("new", str(live_ws), tools=("bash",), ttl_s=600), redis_client)
+    expired.start()
+    live.start()
+    try:
+        pids = descendants(expired.process.pid)
+        time.sleep(0.3)
+        assert reap_expired(redis_client) == [expired.sandbox_id]
+        assert wait_until(lambda: not alive(pids)), alive(pids)
+        with pytest.raises(SandboxError):
+            bash(expired, "echo hi")
+        assert not redis_client.exists(sandbox_key(expired.sandbox_id))
+        assert bash(live, "echo alive")["output"] == "alive"
+        assert reap_expired(redis_client) == []
+    finally:
+        expired.stop()
+        live.stop()
+
+
+def test_reaper_leaves_sandboxes_of_other_hosts_alone(redis_client) -> None:
+    redis_client.hset(sandbox_key("abc"), mapping={"host": "another-node", "pid": 1, "pid_start": 0, "expiry": 0})
+    redis_client.zadd(EXPIRY_KEY, {"abc": 0})
+    assert reap_expired(redis_client) == []
+    assert reap_expired(redis_client, host="another-node") == ["abc"]  # pid 1 start time differs: not killed
+    assert redis_client.zcard(EXPIRY_KEY) == 0
+
+
+def test_local_sandbox_warns_on_every_start_and_runs_in_the_workspace(
+    workspace: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    for _ in range(2):
+        with create_sandbox("local", SandboxSpec("j", str(workspace), tools=("bash",))) as box:
+            assert bash(box, "pwd")["output"] == str(workspace)
+    assert sum("NO ISOLATION" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.fixture
+def stand_in_singularity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "singularity").symlink_to(STAND_IN)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("STAND_IN_PYTHON", sys.executable)
+    log = tmp_path / "singularity-calls.jsonl"
+    monkeypatch.setenv("STAND_IN_SINGULARITY_LOG", str(log))
+    return log
+
+
+def calls(log: Path) -> list[list[str]]:
+    return [json.loads(line)[1:] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_singularity_command_contains_the_isolation_flags_binds_and_runtime(
+    workspace: Path, tmp_path: Path, stand_in_singularity
+) -> None:
+    spec = SandboxSpec("j", str(workspace), env={"A": "1"})
+    argv = singularity_argv(spec, "/images/x.sif", str(tmp_path))
+    assert argv[0].endswith("singularity") and argv[1] == "exec"
+    for flag in ("--containall", "--cleanenv", "--writable-tmpfs", "--no-home", "--net"):
+        assert flag in argv
+    assert argv[argv.index("--network") + 1] == "none"
+    assert f"{workspace}:/workspace" in argv and f"{tmp_path}:/run/rollout" in argv
+    assert argv[argv.index("--env") + 1] == "A=1"
+    image_at = argv.index("/images/x.sif")
+    assert argv[image_at + 1] == "/opt/rollout-runtime/bin/python"
+    assert "--socket" in argv[image_at:] and "/run/rollout/action.sock" in argv[image_at:]
+
+
+def test_singularity_sandbox_runs_the_action_server_through_the_binary(
+    workspace: Path, tmp_path: Path, stand_in_singularity: Path
+) -> None:
+    image = tmp_path / "runtime.sif"
+    image.write_text("stand-in")
+    spec = SandboxSpec("j", str(workspace), image=str(image), tools=("bash", "finish"), env={"TASK": "t1"})
+    box = create_sandbox("singularity", spec)
+    box.start()
+    try:
+        assert bash(box, "pwd; echo $TASK")["output"] == "/workspace\nt1"
+        assert box.execute("finish", {"answer": "42"}, 5)["answer"] == "42"
+        pids = descendants(box.process.pid)
+    finally:
+        box.stop()
+    assert wait_until(lambda: not alive(pids))
+    (exec_call,) = [c for c in calls(stand_in_singularity) if "exec" in c]
+    assert {"--containall", "--cleanenv", "--writable-tmpfs", "--no-home"} <= set(exec_call)
+    assert exec_call[exec_call.index("--network") + 1] == "none"
+    assert str(image) in exec_call
+
+
+def test_docker_image_is_converted_once_even_when_asked_concurrently(tmp_path: Path, stand_in_singularity: Path) -> None:
+    results: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(ensure_image("docker://python:3.11-slim", tmp_path / "cache")))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(results)) == 1 and results[0].endswith(".sif") and os.path.exists(results[0])
+    builds = [c for c in calls(stand_in_singularity) if "build" in c]
+    assert len(builds) == 1 and builds[0][-1] == "docker://python:3.11-slim"
+    assert ensure_image("docker://python:3.11-slim", tmp_path / "cache") == results[0]
+
+
+def test_singularity_without_an_image_is_a_clear_error(workspace: Path) -> None:
+    with pytest.raises(SandboxError, match="needs an image"):
+        ensure_image(None)
+
+
+def test_reap_command_reaps_expired_registrations_of_this_host(redis_client, redis_url: str) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    redis_client.hset(sandbox_key("gone"), mapping={"host": socket.gethostname(), "pid": dead.pid, "pid_start": 1, "expiry": 0})
+    redis_client.zadd(EXPIRY_KEY, {"gone": 0})
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout_service.sandbox", "reap", "--redis-url", redis_url],
+        capture_output=True, text=True, cwd=Path(__file__).parents[1], check=True,
+    )  # fmt: skip
+    assert result.stdout.strip() == "reaped gone"
+    assert not redis_client.exists(sandbox_key("gone"))
