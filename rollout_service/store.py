@@ -24,6 +24,7 @@ from rollout_service.settings import Settings, get_settings
 PREFIX = "rollout"
 LIVE_JOBS = f"{PREFIX}:jobs:live"
 STAGES = ("init", "run", "eval")
+BATCH_MEMBER_DONE_TASK = "workers.control.batch_member_done"
 
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
@@ -223,8 +224,10 @@ class JobStore:
                 code=getattr(error, "code", "internal_error"), message=str(error) or type(error).__name__)
             fields.update(error_code=info.code, error_message=info.message)
         ended = self.transition(job_id, status, finished_at=time.time(), **fields)
-        if ended:
-            self.redis.publish(f"{PREFIX}:job-events", json.dumps({"job_id": job_id, "status": status.value}))
+        if ended and self.redis.hget(self.key(job_id), "batch_id"):
+            from workers.celery_app import app
+
+            app.send_task(BATCH_MEMBER_DONE_TASK, args=(job_id,), queue="control")
         return ended
 
     def set_fields(self, job_id: str, **fields: Any) -> None:

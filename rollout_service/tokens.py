@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,17 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
 )
 
 
-@functools.lru_cache(maxsize=16)
+_loading = threading.RLock()  # transformers' lazy imports are not thread-safe on first use
+
+
 def load_tokenizer(name_or_path: str) -> Any:
-    """A transformers tokenizer, loaded once per process."""
+    """A transformers tokenizer, loaded once per process (safe from many worker threads)."""
+    with _loading:
+        return _load_tokenizer(name_or_path)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_tokenizer(name_or_path: str) -> Any:
     try:
         if _is_plain_tokenizers_dir(Path(name_or_path)):
             # What AutoTokenizer would pick here too, without importing torch (~1.5 s).
@@ -64,9 +73,14 @@ def _is_plain_tokenizers_dir(path: Path) -> bool:
     )
 
 
-@functools.lru_cache(maxsize=16)
 def renderer_for(name_or_path: str) -> "ChatRenderer":
     """The (cached) renderer of the tokenizer at ``name_or_path``."""
+    with _loading:
+        return _renderer_for(name_or_path)
+
+
+@functools.lru_cache(maxsize=16)
+def _renderer_for(name_or_path: str) -> "ChatRenderer":
     return ChatRenderer(load_tokenizer(name_or_path))
 
 

@@ -300,15 +300,3 @@ def test_singularity_without_an_image_is_a_clear_error(workspace: Path) -> None:
     with pytest.raises(SandboxError, match="needs an image"):
         ensure_image(None)
 
-
-def test_reap_command_reaps_expired_registrations_of_this_host(redis_client, redis_url: str) -> None:
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    redis_client.hset(sandbox_key("gone"), mapping={"host": socket.gethostname(), "pid": dead.pid, "pid_start": 1, "expiry": 0})
-    redis_client.zadd(EXPIRY_KEY, {"gone": 0})
-    result = subprocess.run(
-        [sys.executable, "-m", "rollout_service.sandbox", "reap", "--redis-url", redis_url],
-        capture_output=True, text=True, cwd=Path(__file__).parents[1], check=True,
-    )  # fmt: skip
-    assert result.stdout.strip() == "reaped gone"
-    assert not redis_client.exists(sandbox_key("gone"))

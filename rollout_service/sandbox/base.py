@@ -210,7 +210,11 @@ class ServerSandbox:
         if self.redis is not None:
             from rollout_service.sandbox.registry import register
 
-            register(self.redis, self)
+            try:
+                register(self.redis, self)
+            except Exception as exc:  # an unregistered sandbox could outlive its worker unseen
+                self.stop()
+                raise SandboxError(f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check Redis") from exc
 
     def execute(self, tool: str, args: dict, timeout_s: float) -> dict:
         if self._client is None:

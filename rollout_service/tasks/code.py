@@ -40,7 +40,7 @@ MAX_CODE_BYTES = 1024 * 1024
 RUNNER = Path(__file__).with_name("code_runner.py")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _FILE_REFERENCE = re.compile(r"^[\w./-]+\.py$")
-_IMPORT_LINE = re.compile(r"^(?:import|from)\s+\S+", re.MULTILINE)
+_IMPORT_LINE = re.compile(r"^(?:import|from)\s+\S.*$", re.MULTILINE)
 
 SYSTEM_PROMPT = (
     "You are an expert Python programmer working in a sandbox with bash, ipython and a file editor; "
@@ -55,12 +55,18 @@ def extract_code(text: str, entry_point: Optional[str] = None) -> str:
     blocks = [body for language, body in _FENCE.findall(text)
               if language.lower() in ("", "python", "py", "python3")]
     if not blocks:
-        return text.strip()
+        return _trim(text)
     for marker in ([rf"def\s+{re.escape(entry_point)}\s*\("] if entry_point else []) + [r"\bdef\s+\w+"]:
         defining = [b for b in blocks if re.search(marker, b)]
         if defining:
-            return defining[-1].strip()
-    return blocks[-1].strip()
+            return _trim(defining[-1])
+    return _trim(blocks[-1])
+
+
+def _trim(code: str) -> str:
+    """Without leading blank lines and trailing space; the first line keeps its indentation
+    (a HumanEval completion starts inside the function body)."""
+    return re.sub(r"\A(?:[ \t]*\n)+", "", code).rstrip()
 
 
 def is_humaneval(task: dict[str, Any]) -> bool:

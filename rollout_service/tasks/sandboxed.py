@@ -107,10 +107,11 @@ def read_sandbox_file(execute: Any, path: str, max_bytes: int) -> Optional[bytes
     chunk = max(min(READ_CHUNK_BYTES, get_settings().tool_output_cap_bytes * 2 // 3), 1024)
     data = bytearray()
     while len(data) < size:
-        observation = shell(execute, f"tail -c +{len(data) + 1} {quoted} | head -c {chunk} | base64 -w0")
-        if observation.get("exit_code") != 0:
-            raise TaskError(f"reading {path} in the sandbox failed: {observation.get('output', '')[-300:]}")
-        piece = base64.b64decode("".join(observation.get("output", "").split()))
+        observation = shell(execute, f"tail -c +{len(data) + 1} {quoted} 2>/dev/null | head -c {chunk} | base64 -w0")
+        try:
+            piece = base64.b64decode("".join(observation.get("output", "").split()), validate=True)
+        except ValueError:
+            raise TaskError(f"reading {path} in the sandbox failed: {observation.get('output', '')[-300:]}") from None
         if not piece:
             break  # the file shrank while being read
         data += piece

@@ -79,6 +79,7 @@ def test_ids(task: dict[str, Any], name: str) -> list[str]:
 def touched_files(patch: str) -> list[str]:
     """Every path a unified diff touches, old and new names alike (without /dev/null)."""
     paths: list[str] = []
+    names: tuple[str, ...]
     for line in patch.splitlines():
         if line.startswith("diff --git "):
             found = re.match(r"diff --git a/(.+) b/(.+)$", line)
@@ -88,8 +89,8 @@ def touched_files(patch: str) -> list[str]:
             names = (name[2:],) if name[:2] in ("a/", "b/") else ()
         else:
             continue
-        paths += [n for n in names if n not in paths and n != "dev/null"]
-    return paths
+        paths += names
+    return [p for p in dict.fromkeys(paths) if p != "dev/null"]
 
 
 def parse_pytest_log(log: str, wanted: list[str]) -> dict[str, str]:

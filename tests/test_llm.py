@@ -1,0 +1,103 @@
+"""A job's LLM calls on the backend pool: sticky, moved off a dead server, gated by weight syncs."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout_service.redis_server import free_port
+from rollout_service.reference_server import ReferenceServerProcess
+from tests.test_pipeline import math_task, server_log, tool_call
+
+
+def slow_script(problem: str, turns: int, delay_s: float) -> dict:
+    steps = [{"text": tool_call("ipython", code=f"print({i})"), "delay_s": delay_s} for i in range(turns - 1)]
+    return {"episodes": [{"match": problem, "turns": steps + [tool_call("finish", answer="\\boxed{4}")]}]}
+
+
+def start_server(tmp_path: Path, tokenizer: Path, script: dict) -> ReferenceServerProcess:
+    directory = tmp_path / uuid.uuid4().hex[:6]
+    directory.mkdir()
+    (directory / "script.json").write_text(json.dumps(script))
+    return ReferenceServerProcess(["--script", str(directory / "script.json"), "--tokenizer", str(tokenizer)],
+                                  port=free_port(), log_path=directory / "server.log").start()
+
+
+def wait_for(condition, timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_killing_one_of_two_backends_mid_run_moves_its_jobs_to_the_survivor(client, tmp_path, tiny_tokenizer_dir):
+    problem = f"Two backends ({uuid.uuid4().hex[:6]})"
+    script = slow_script(problem, turns=6, delay_s=0.25)
+    doomed = start_server(tmp_path, tiny_tokenizer_dir, script)
+    survivor = start_server(tmp_path, tiny_tokenizer_dir, script)
+    backends = [client.add_backend(s.url, "vllm", "pair", tokenizer=str(tiny_tokenizer_dir)) for s in (doomed, survivor)]
+    doomed_id, survivor_id = (b.id for b in backends)
+    try:
+        job_ids = client.submit(math_task(problem), n=6, sampling={"model": "pair"}).job_ids
+        live = lambda: {b.id: b.live_assignments for b in client.backends() if b.model == "pair"}  # noqa: E731
+        wait_for(lambda: live()[doomed_id] > 0 and live()[survivor_id] > 0, what="both backends busy")
+        doomed.stop()
+        views = client.wait(job_ids, timeout_s=120)
+        assert [v.status.value for v in views] == ["completed"] * 6, [v.error for v in views]
+        assert all(v.reward == 1.0 and v.backend_id == survivor_id for v in views)
+        moved = 0
+        for view in views:
+            generations = [t for t in client.trajectory(view.job_id).turns if t.kind == "generation"]
+            if any(t.backend_id == doomed_id for t in generations) or any(t.moved_from for t in generations):
+                moved += 1
+                assert any(t.moved_from == doomed_id and t.backend_id == survivor_id for t in generations)
+        assert moved > 0
+        assert all(b.live_assignments == 0 for b in client.backends() if b.model == "pair")
+    finally:
+        survivor.stop()
+        for backend in backends:
+            client.remove_backend(backend.id)
+
+
+def test_no_call_starts_while_paused_and_calls_after_resume_carry_the_new_version(client, scripted_backend):
+    problem = f"Weight sync ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend(slow_script(problem, turns=5, delay_s=0.2), model="sync")
+    job_id, = client.submit(math_task(problem), sampling={"model": "sync"}).job_ids
+    wait_for(lambda: len(server_log(backend.url)) >= 1, what="the first call")
+    paused = client.pause(wait_s=5)
+    assert paused["inflight_calls"] == 0
+    calls_at_pause = len(server_log(backend.url))
+    time.sleep(1.5)
+    assert len(server_log(backend.url)) == calls_at_pause
+    assert client.get(job_id).status.value == "running"
+    new_version = client.resume(paused["policy_version"] + 1)["policy_version"]
+
+    view, = client.wait([job_id], timeout_s=60)
+    assert view.status.value == "completed"
+    versions = [t.policy_version for t in client.trajectory(job_id).turns if t.kind == "generation"]
+    assert versions[:calls_at_pause] == [paused["policy_version"]] * calls_at_pause
+    assert versions[calls_at_pause:] == [new_version] * (len(versions) - calls_at_pause)
+
+
+def test_a_job_lagging_behind_its_max_policy_lag_stops_as_stale(client, scripted_backend):
+    problem = f"Stale ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend(slow_script(problem, turns=8, delay_s=0.3), model="stale")
+    job_id, = client.submit(math_task(problem), sampling={"model": "stale"}, max_policy_lag=0).job_ids
+    wait_for(lambda: len(server_log(backend.url)) >= 1, what="the first call")
+    client.pause()
+    client.resume()
+    view, = client.wait([job_id], timeout_s=60)
+    trajectory = client.trajectory(job_id)
+    assert view.finish_reason.value == "stale" and trajectory.truncated
+    assert sum(t.kind == "generation" for t in trajectory.turns) < 8
+
+
+def test_metrics_export_backend_load_and_health(client, scripted_backend, service):
+    backend = scripted_backend({"episodes": []}, model="metrics")
+    text = httpx.get(f"{service.url}/metrics").text
+    assert f'rollout_backend_live_assignments{{backend="{backend.id}",model="metrics"}} 0.0' in text
+    assert f'rollout_backend_healthy{{backend="{backend.id}",model="metrics"}} 1.0' in text
