@@ -19,6 +19,12 @@ Two engines:
   number of assistant turns already completed in the prompt. The turn text is tokenized
   with the tokenizer and followed by the end-of-turn token; logprobs are
   ``scripted_logprob(position, token_id)``.
+
+  An episode may give ``"rotate": [[turns of variant 0], [turns of variant 1], ...]`` instead
+  of ``"turns"``: each new rollout of that prompt (a request with no assistant turn yet)
+  takes the next variant round-robin, so the n rollouts of a GRPO group can answer
+  differently. Later turns follow the variant whose earlier turn texts all occur in the
+  prompt, so give the variants distinct first turns.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import httpx
 from flask import Flask, Response, jsonify, request
@@ -96,6 +102,8 @@ class ScriptEngine:
         self.episodes = _validated_episodes(script)
         self.renderer = ChatRenderer(load_tokenizer(tokenizer_path))
         self.max_model_len = 1 << 30
+        self._rotations = collections.Counter()
+        self._rotation_lock = threading.Lock()
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.renderer.tokenizer.decode(
@@ -115,13 +123,14 @@ class ScriptEngine:
                 f"the prompt ends with {prompt_text[-300:]!r}"
             )
         turn_index = self.renderer.completed_turns(prompt_text)
-        if turn_index >= len(episode["turns"]):
+        turns = self._variant(episode, prompt_text, turn_index)
+        if turn_index >= len(turns):
             raise RequestError(
-                f"the scripted episode matching {episode['match']!r} has {len(episode['turns'])} "
+                f"the scripted episode matching {episode['match']!r} has {len(turns)} "
                 f"turn(s) but the prompt already holds {turn_index} assistant turn(s); add turns "
                 "to the script or end the episode earlier"
             )
-        turn = episode["turns"][turn_index]
+        turn = turns[turn_index]
         if turn["delay_s"]:
             time.sleep(turn["delay_s"])
         ids = self.encode(turn["text"])
@@ -139,6 +148,25 @@ class ScriptEngine:
         logprobs = [scripted_logprob(start + i, t) for i, t in enumerate(ids)]
         return Completion(ids, logprobs, finish, stop_token, [{t: lp} for t, lp in zip(ids, logprobs)])
 
+    def _variant(self, episode: dict[str, Any], prompt_text: str, turn_index: int) -> list[dict[str, Any]]:
+        """The turns this rollout replays: the only ones, or for ``rotate`` the next variant on a
+        first turn and the variant whose earlier turns the prompt holds on later ones."""
+        variants = episode["variants"]
+        if len(variants) == 1:
+            return variants[0]
+        if turn_index == 0:
+            with self._rotation_lock:
+                n = self._rotations[episode["match"]]
+                self._rotations[episode["match"]] += 1
+            return variants[n % len(variants)]
+        for turns in variants:
+            if len(turns) >= turn_index and all(t["text"] in prompt_text for t in turns[:turn_index]):
+                return turns
+        raise RequestError(
+            f"no rotate variant of the episode matching {episode['match']!r} has the earlier turns "
+            "this prompt holds; give the variants distinct first turns"
+        )
+
 
 def _validated_episodes(script: Any) -> list[dict[str, Any]]:
     def bad(problem: str) -> ValueError:
@@ -153,17 +181,24 @@ def _validated_episodes(script: Any) -> list[dict[str, Any]]:
     for n, episode in enumerate(script["episodes"]):
         if not isinstance(episode, dict) or not isinstance(episode.get("match"), str):
             raise bad(f'episode {n} needs a "match" string')
-        if not isinstance(episode.get("turns"), list) or not episode["turns"]:
-            raise bad(f'episode {n} needs a non-empty "turns" list')
-        turns = []
-        for k, turn in enumerate(episode["turns"]):
-            if isinstance(turn, str):
-                turn = {"text": turn}
-            if not isinstance(turn, dict) or not isinstance(turn.get("text"), str):
-                raise bad(f'turn {k} of episode {n} must be a string or {{"text": ...}}')
-            turns.append({"text": turn["text"], "delay_s": float(turn.get("delay_s", 0.0))})
-        episodes.append({"match": episode["match"], "turns": turns})
+        rotate = episode.get("rotate")
+        variants = rotate if isinstance(rotate, list) and rotate else [episode.get("turns")]
+        if any(not isinstance(turns, list) or not turns for turns in variants):
+            raise bad(f'episode {n} needs a non-empty "turns" list (or "rotate": a list of them)')
+        episodes.append({"match": episode["match"],
+                         "variants": [_validated_turns(turns, n, bad) for turns in variants]})
     return episodes
+
+
+def _validated_turns(turns: list[Any], n: int, bad: Callable[[str], ValueError]) -> list[dict[str, Any]]:
+    validated = []
+    for k, turn in enumerate(turns):
+        if isinstance(turn, str):
+            turn = {"text": turn}
+        if not isinstance(turn, dict) or not isinstance(turn.get("text"), str):
+            raise bad(f'turn {k} of episode {n} must be a string or {{"text": ...}}')
+        validated.append({"text": turn["text"], "delay_s": float(turn.get("delay_s", 0.0))})
+    return validated
 
 
 class ModelEngine:

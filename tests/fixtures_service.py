@@ -2,6 +2,7 @@
 and one real Celery worker per queue, each a separate process, as `rollout-service up` runs them."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +45,12 @@ class Service:
         return (self.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
 
 
-@pytest.fixture(scope="session")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    state = tmp_path_factory.mktemp("service")
+@contextlib.contextmanager
+def running_service(state: Path, **settings_env: str) -> Iterator[Service]:
+    """A whole service under ``state``; ``settings_env`` overrides ROLLOUT_* settings."""
     redis_server = RedisServer(state / "redis").start()
     port = free_port()
-    env = {**os.environ, **SERVICE_SETTINGS, "ROLLOUT_REDIS_URL": redis_server.url,
+    env = {**os.environ, **SERVICE_SETTINGS, **settings_env, "ROLLOUT_REDIS_URL": redis_server.url,
            "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_PORT": str(port)}
     env.pop("ROLLOUT_API_TOKEN", None)
     settings = Settings.from_env(env)
@@ -64,6 +65,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     finally:
         supervisor.stop()
         redis_server.stop()
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with running_service(tmp_path_factory.mktemp("service")) as running:
+        yield running
 
 
 @pytest.fixture

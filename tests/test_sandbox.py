@@ -11,20 +11,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
+import redis
 
 from rollout_service.errors import SandboxError, UnknownName
 from rollout_service.sandbox import SANDBOXES, SandboxSpec, create_sandbox, reap_expired
-from rollout_service.sandbox.base import descendants
+from rollout_service.sandbox.base import ServerSandbox, descendants
 from rollout_service.sandbox.registry import EXPIRY_KEY, registered, sandbox_key
 from rollout_service.sandbox.singularity import ensure_image, singularity_argv
 
 STAND_IN = Path(__file__).with_name("stand_in_singularity")
 
 
-def bash(sandbox, command: str, timeout_s: float = 10) -> dict:
+def bash(sandbox: ServerSandbox, command: str, timeout_s: float = 10) -> dict:
     return sandbox.execute("bash", {"command": command}, timeout_s)
 
 
@@ -41,7 +42,7 @@ def alive(pids: list[int]) -> list[int]:
     return living
 
 
-def wait_until(condition, timeout_s: float = 3.0) -> bool:
+def wait_until(condition: Callable[[], object], timeout_s: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -59,7 +60,7 @@ def workspace(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def sandbox(workspace: Path) -> Iterator:
+def sandbox(workspace: Path) -> Iterator[ServerSandbox]:
     box = create_sandbox("bwrap", SandboxSpec("job-test", str(workspace), tools=("bash", "editor", "finish")))
     box.start()
     yield box
@@ -80,7 +81,7 @@ def test_start_without_a_workspace_says_what_to_do(tmp_path: Path) -> None:
     box.stop()
 
 
-def test_sandbox_can_write_its_workspace_and_nothing_else(sandbox, workspace: Path, tmp_path: Path) -> None:
+def test_sandbox_can_write_its_workspace_and_nothing_else(sandbox: ServerSandbox, workspace: Path, tmp_path: Path) -> None:
     assert bash(sandbox, "echo made > /workspace/new.txt && cat README.md")["output"] == "hello"
     assert (workspace / "new.txt").read_text() == "made\n"
     for target in ("/etc/escape", f"{tmp_path}/escape", "/work/escape", "/escape", "/usr/escape"):
@@ -91,7 +92,7 @@ def test_sandbox_can_write_its_workspace_and_nothing_else(sandbox, workspace: Pa
     assert not (tmp_path / "escape").exists()
 
 
-def test_sandbox_cannot_open_a_network_connection(sandbox, redis_url: str) -> None:
+def test_sandbox_cannot_open_a_network_connection(sandbox: ServerSandbox, redis_url: str) -> None:
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from the host
     for host in ("127.0.0.1", "1.1.1.1"):
@@ -157,7 +158,7 @@ def test_stop_kills_every_process_of_the_sandbox_even_detached_ones(workspace: P
     assert not os.path.exists(box.socket_dir)
 
 
-def test_execute_after_the_server_died_raises_sandbox_error(sandbox) -> None:
+def test_execute_after_the_server_died_raises_sandbox_error(sandbox: ServerSandbox) -> None:
     server = [pid for pid in descendants(sandbox.process.pid) if b"action_server" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert server
     os.kill(server[0], 9)
@@ -173,7 +174,7 @@ def test_boot_to_first_answer_is_fast(workspace: Path) -> None:
     assert statistics.median(boots) < 0.3, boots
 
 
-def test_started_sandbox_is_registered_and_stop_unregisters_it(workspace: Path, redis_client) -> None:
+def test_started_sandbox_is_registered_and_stop_unregisters_it(workspace: Path, redis_client: redis.Redis) -> None:
     box = create_sandbox("bwrap", SandboxSpec("job-7", str(workspace), tools=("bash",), ttl_s=60), redis_client)
     box.start()
     record = registered(redis_client, box.sandbox_id)
@@ -187,7 +188,7 @@ def test_started_sandbox_is_registered_and_stop_unregisters_it(workspace: Path, 
     assert redis_client.zscore(EXPIRY_KEY, box.sandbox_id) is None
 
 
-def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(workspace: Path, tmp_path: Path, redis_client) -> None:
+def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(workspace: Path, tmp_path: Path, redis_client: redis.Redis) -> None:
     live_ws = tmp_path / "live"
     live_ws.mkdir()
     expired = create_sandbox("bwrap", SandboxSpec("old", str(workspace), tools=("bash",), ttl_s=0.2), redis_client)
@@ -209,7 +210,7 @@ def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(workspace: Path, t
         live.stop()
 
 
-def test_reaper_leaves_sandboxes_of_other_hosts_alone(redis_client) -> None:
+def test_reaper_leaves_sandboxes_of_other_hosts_alone(redis_client: redis.Redis) -> None:
     redis_client.hset(sandbox_key("abc"), mapping={"host": "another-node", "pid": 1, "pid_start": 0, "expiry": 0})
     redis_client.zadd(EXPIRY_KEY, {"abc": 0})
     assert reap_expired(redis_client) == []
@@ -244,7 +245,7 @@ def calls(log: Path) -> list[list[str]]:
 
 
 def test_singularity_command_contains_the_isolation_flags_binds_and_runtime(
-    workspace: Path, tmp_path: Path, stand_in_singularity
+    workspace: Path, tmp_path: Path, stand_in_singularity: Path
 ) -> None:
     spec = SandboxSpec("j", str(workspace), env={"A": "1"})
     argv = singularity_argv(spec, "/images/x.sif", str(tmp_path))

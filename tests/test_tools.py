@@ -9,6 +9,7 @@ import pytest
 
 from rollout_service.errors import UnknownName
 from rollout_service.sandbox import SandboxSpec, create_sandbox
+from rollout_service.sandbox.base import ServerSandbox
 from rollout_service.settings import get_settings
 from rollout_service.tools.output import HeadTailBuffer, cap_output, clean_terminal_text
 from rollout_service.tools.schemas import TOOL_SCHEMAS, tool_schemas
@@ -20,38 +21,38 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sandbox(workspace: Path) -> Iterator:
+def sandbox(workspace: Path) -> Iterator[ServerSandbox]:
     box = create_sandbox("bwrap", SandboxSpec("job-tools", str(workspace)))
     box.start()
     yield box
     box.stop()
 
 
-def bash(sandbox, command: str, timeout_s: float = 10) -> dict:
+def bash(sandbox: ServerSandbox, command: str, timeout_s: float = 10) -> dict:
     return sandbox.execute("bash", {"command": command}, timeout_s)
 
 
-def python(sandbox, code: str, timeout_s: float = 60) -> dict:
+def python(sandbox: ServerSandbox, code: str, timeout_s: float = 60) -> dict:
     return sandbox.execute("ipython", {"code": code}, timeout_s)
 
 
-def edit(sandbox, **args: object) -> dict:
+def edit(sandbox: ServerSandbox, **args: object) -> dict:
     return sandbox.execute("editor", args, 10)
 
 
-def test_working_directory_and_exports_persist_across_bash_calls(sandbox) -> None:
+def test_working_directory_and_exports_persist_across_bash_calls(sandbox: ServerSandbox) -> None:
     assert bash(sandbox, "mkdir -p sub/dir && cd sub/dir && export GREETING=hello")["exit_code"] == 0
     assert bash(sandbox, 'pwd; echo "$GREETING"; cd /workspace')["output"] == "/workspace/sub/dir\nhello"
 
 
-def test_bash_reports_exit_codes_and_strips_ansi(sandbox) -> None:
+def test_bash_reports_exit_codes_and_strips_ansi(sandbox: ServerSandbox) -> None:
     failed = bash(sandbox, "echo out; ls /nonexistent")
     assert failed["exit_code"] == 2 and "No such file" in failed["output"] and "out" in failed["output"]
     colored = bash(sandbox, r"printf '\033[1;31mred\033[0m \033]0;title\007done\n'")
     assert colored["output"] == "red done"
 
 
-def test_sleep_past_the_timeout_returns_promptly_and_the_shell_stays_usable(sandbox) -> None:
+def test_sleep_past_the_timeout_returns_promptly_and_the_shell_stays_usable(sandbox: ServerSandbox) -> None:
     bash(sandbox, "export KEPT=yes")
     started = time.monotonic()
     observation = bash(sandbox, "echo before; sleep 100", timeout_s=1)
@@ -61,7 +62,7 @@ def test_sleep_past_the_timeout_returns_promptly_and_the_shell_stays_usable(sand
     assert bash(sandbox, "echo $KEPT")["output"] == "yes"
 
 
-def test_a_command_ignoring_ctrl_c_is_killed_at_the_timeout(sandbox) -> None:
+def test_a_command_ignoring_ctrl_c_is_killed_at_the_timeout(sandbox: ServerSandbox) -> None:
     started = time.monotonic()
     observation = bash(sandbox, "bash -c \"trap '' INT; sleep 100\"", timeout_s=1)
     assert time.monotonic() - started < 5
@@ -69,7 +70,7 @@ def test_a_command_ignoring_ctrl_c_is_killed_at_the_timeout(sandbox) -> None:
     assert bash(sandbox, "echo usable")["output"] == "usable"
 
 
-def test_a_megabyte_of_output_is_capped_keeping_head_and_tail(sandbox) -> None:
+def test_a_megabyte_of_output_is_capped_keeping_head_and_tail(sandbox: ServerSandbox) -> None:
     cap = get_settings().tool_output_cap_bytes
     observation = bash(sandbox, "seq 1 200000 | head -c 1000000; echo; echo THE-END")
     assert len(observation["output"].encode()) < cap + 200
@@ -78,7 +79,7 @@ def test_a_megabyte_of_output_is_capped_keeping_head_and_tail(sandbox) -> None:
     assert "bytes of output cut" in observation["output"]
 
 
-def test_unclosed_quote_is_reported_without_running_anything(sandbox) -> None:
+def test_unclosed_quote_is_reported_without_running_anything(sandbox: ServerSandbox) -> None:
     started = time.monotonic()
     observation = bash(sandbox, "touch should-not-exist\necho 'unclosed")
     assert time.monotonic() - started < 2
@@ -86,32 +87,32 @@ def test_unclosed_quote_is_reported_without_running_anything(sandbox) -> None:
     assert bash(sandbox, "ls should-not-exist")["exit_code"] != 0
 
 
-def test_commands_get_no_terminal_input_so_they_do_not_hang(sandbox) -> None:
+def test_commands_get_no_terminal_input_so_they_do_not_hang(sandbox: ServerSandbox) -> None:
     started = time.monotonic()
     assert bash(sandbox, "cat; read x; echo done")["output"] == "done"
     assert time.monotonic() - started < 2
 
 
-def test_exiting_the_shell_starts_a_fresh_one(sandbox) -> None:
+def test_exiting_the_shell_starts_a_fresh_one(sandbox: ServerSandbox) -> None:
     observation = bash(sandbox, "exit 3")
     assert observation["error"] == "shell exited" and "fresh shell" in observation["output"]
     assert bash(sandbox, "pwd")["output"] == "/workspace"
 
 
-def test_ipython_keeps_variables_between_cells(sandbox) -> None:
+def test_ipython_keeps_variables_between_cells(sandbox: ServerSandbox) -> None:
     assert python(sandbox, "x = 20\ndef double(v):\n    return 2 * v")["error"] is None
     assert python(sandbox, "double(x) + 2")["output"] == "42"
     assert python(sandbox, "print('out'); import sys; print('err', file=sys.stderr)")["output"] == "out\nerr"
 
 
-def test_ipython_exception_comes_back_as_an_observation(sandbox) -> None:
+def test_ipython_exception_comes_back_as_an_observation(sandbox: ServerSandbox) -> None:
     observation = python(sandbox, "1 / 0")
     assert observation["error"] == "ZeroDivisionError: division by zero"
     assert "ZeroDivisionError" in observation["output"] and "\x1b[" not in observation["output"]
     assert python(sandbox, "x")["output"] == "20"
 
 
-def test_ipython_timeout_interrupts_the_cell_and_keeps_the_kernel(sandbox) -> None:
+def test_ipython_timeout_interrupts_the_cell_and_keeps_the_kernel(sandbox: ServerSandbox) -> None:
     python(sandbox, "kept = 'still here'")
     started = time.monotonic()
     observation = python(sandbox, "import time\nwhile True: time.sleep(0.01)", timeout_s=1)
@@ -120,7 +121,15 @@ def test_ipython_timeout_interrupts_the_cell_and_keeps_the_kernel(sandbox) -> No
     assert python(sandbox, "kept")["output"] == "'still here'"
 
 
-def test_editor_creates_views_replaces_inserts_and_undoes(sandbox, workspace: Path) -> None:
+def test_a_dying_kernel_is_reported_and_replaced(sandbox: ServerSandbox) -> None:
+    started = time.monotonic()
+    observation = python(sandbox, "import os; os._exit(3)")
+    assert time.monotonic() - started < 5
+    assert observation["error"] == "kernel died" and "variables were lost" in observation["output"]
+    assert python(sandbox, "'back'")["output"] == "'back'"
+
+
+def test_editor_creates_views_replaces_inserts_and_undoes(sandbox: ServerSandbox, workspace: Path) -> None:
     assert edit(sandbox, command="create", path="pkg/mod.py", file_text="a = 1\nb = 2\nc = 1\n")["error"] is None
     assert (workspace / "pkg/mod.py").read_text() == "a = 1\nb = 2\nc = 1\n"
     assert edit(sandbox, command="view", path="pkg/mod.py", view_range=[2, 3])["output"] == "     2\tb = 2\n     3\tc = 1"
@@ -137,18 +146,18 @@ def test_editor_creates_views_replaces_inserts_and_undoes(sandbox, workspace: Pa
     assert "pkg/" in edit(sandbox, command="view", path=".")["output"]
 
 
-def test_editor_mistakes_are_observations(sandbox) -> None:
+def test_editor_mistakes_are_observations(sandbox: ServerSandbox) -> None:
     assert "must be one of" in edit(sandbox, command="delete", path="x")["error"]
     assert edit(sandbox, command="view", path="no/such/file")["error"]
     assert edit(sandbox, command="create", path="/etc/passwd2", file_text="x")["error"]
 
 
-def test_finish_ends_the_episode_with_the_answer(sandbox) -> None:
+def test_finish_ends_the_episode_with_the_answer(sandbox: ServerSandbox) -> None:
     observation = sandbox.execute("finish", {"answer": "42"}, 5)
     assert observation["finished"] is True and observation["answer"] == "42"
 
 
-def test_unknown_tools_and_bad_arguments_are_observations(sandbox) -> None:
+def test_unknown_tools_and_bad_arguments_are_observations(sandbox: ServerSandbox) -> None:
     assert "unknown tool 'browser'" in sandbox.execute("browser", {}, 5)["error"]
     assert "needs a string argument 'command'" in sandbox.execute("bash", {"cmd": "ls"}, 5)["error"]
     assert sandbox.execute("bash", "ls", 5)["error"]  # type: ignore[arg-type]

@@ -52,17 +52,21 @@ def make_celery(settings: Settings) -> Celery:
 app = make_celery(get_settings())
 
 
-def pipeline_for(job_id: str) -> chain:
-    """init → run → eval, every link routed to its queue with a deterministic, revocable id."""
+STAGES = ("init", "run", "eval")
+
+
+def pipeline_for(job_id: str, first_stage: str = "init") -> chain:
+    """init → run → eval (or the tail from ``first_stage``), every link routed to its queue
+    with a deterministic, revocable id."""
     return chain(*(
         app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
             queue=stage, task_id=f"{job_id}.{stage}")
-        for stage in ("init", "run", "eval")
+        for stage in STAGES[STAGES.index(first_stage):]
     ))
 
 
 def stage_task_ids(job_id: str) -> list[str]:
-    return [f"{job_id}.{stage}" for stage in ("init", "run", "eval")]
+    return [f"{job_id}.{stage}" for stage in STAGES]
 
 
 HEARTBEAT_INTERVAL_S = 5

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from celery.signals import worker_ready
 
 from rollout_service.backends import BackendPool
+from rollout_service.errors import NotFound
 from rollout_service.settings import get_settings
-from workers.celery_app import app
-from workers.stage import job_store
+from rollout_service.store import JobStore
+from workers.celery_app import app, pipeline_for
+from workers.stage import STAGE_STATUS, job_store
 
 log = logging.getLogger(__name__)
 LOCK_KEY = "rollout:housekeeping:lock"
+STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()}
 
 
 @app.task(name="workers.control.housekeeping")
@@ -27,12 +31,39 @@ def housekeeping() -> dict[str, Any]:
     store = job_store()
     pool = BackendPool(store.redis)
     report = {
+        "recovered_jobs": recover_orphans(store),
         "reaped_sandboxes": reap_expired(store.redis),
         "leaked_assignments": pool.reconcile(store.live_jobs()),
         "health": pool.probe(),
     }
     log.debug("housekeeping: %s", report)
     return report
+
+
+def recover_orphans(store: JobStore) -> list[str]:
+    """Re-enqueue stages whose worker died (status says running, nobody holds the lease).
+
+    kombu would redeliver their unacked message only after the visibility timeout (hours);
+    the stage's own checks (status, lease, delivery count) keep a late duplicate harmless.
+    """
+    recovered = []
+    now = time.time()
+    for job_id in store.live_jobs():
+        try:
+            f = store.fields(job_id)
+        except NotFound:
+            continue
+        stage = STAGE_OF_STATUS.get(f["status"])
+        if stage is None or f.get(f"{stage}_end") or store.redis.exists(store.key(job_id, "lease")):
+            continue
+        if now - float(f.get(f"{stage}_start") or now) < store.settings.lease_ttl_s * 2:
+            continue
+        claim = store.key(job_id, f"recovery:{stage}:{f.get(f'attempts_{stage}', 0)}")
+        if store.redis.set(claim, "1", nx=True, ex=store.settings.job_ttl_s):
+            log.warning("job %s lost its %s worker; re-enqueueing from %s", job_id, stage, stage)
+            pipeline_for(job_id, stage).apply_async()
+            recovered.append(job_id)
+    return recovered
 
 
 @worker_ready.connect

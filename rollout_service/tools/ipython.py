@@ -22,6 +22,7 @@ from rollout_service.tools.output import cap_output, clean_terminal_text, error_
 
 READY_TIMEOUT_S = 60.0
 INTERRUPT_GRACE_S = 3.0
+DEATH_CHECK_S = 0.5
 
 
 class IPythonSession:
@@ -116,9 +117,17 @@ class IPythonSession:
                 deadline = time.monotonic() + INTERRUPT_GRACE_S
                 continue
             try:
-                msg = client.iopub_channel.get_msg(timeout=max(remaining, 0.0))
+                msg = client.iopub_channel.get_msg(timeout=min(max(remaining, 0.0), DEATH_CHECK_S))
             except Empty:
-                if timed_out:
+                if self._kernel is not None and self._kernel.poll() is not None:
+                    exit_code = self._kernel.returncode
+                    self._restart()
+                    notice = (
+                        f"[the IPython kernel died (exit code {exit_code}); a new kernel was started and "
+                        "all variables were lost]"
+                    )
+                    return observation(_join(parts, notice, output_cap), error="kernel died")
+                if timed_out and time.monotonic() >= deadline:
                     self._restart()
                     notice = (
                         f"[cell timed out after {timeout_s:g} s and did not stop on interrupt; "

@@ -1,0 +1,36 @@
+"""Faults the service must survive: a worker killed mid-episode, Redis-held state intact."""
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+from rollout_service.cli import worker_command
+from rollout_service.settings import Settings
+from tests.fixtures_service import running_service
+from tests.test_llm import slow_script, wait_for
+from tests.test_pipeline import math_task, server_log
+
+
+def test_a_run_worker_killed_mid_episode_is_replaced_and_its_job_completes_once(
+        tmp_path, scripted_server, tiny_tokenizer_dir):
+    problem = f"Crash ({uuid.uuid4().hex[:6]})"
+    url = scripted_server(slow_script(problem, turns=6, delay_s=0.4))
+    with running_service(tmp_path / "svc", ROLLOUT_LEASE_TTL_S="2",
+                         ROLLOUT_BACKEND_PROBE_INTERVAL_S="1") as service, service.client() as client:
+        client.add_backend(url, "vllm", "crashy", tokenizer=str(tiny_tokenizer_dir))
+        job_id, = client.submit(math_task(problem)).job_ids
+        redis = service.redis()
+        wait_for(lambda: len(server_log(url)) >= 2, what="the episode to be under way")
+        run_worker = next(c for c in service.supervisor.children if c.name == "worker-run")
+        os.killpg(run_worker.process.pid, signal.SIGKILL)
+        run_worker.process.wait()
+        service.supervisor.children.remove(run_worker)
+        service.supervisor.start("worker-run-2", worker_command(Settings.from_env(service.env), "run"))
+
+        view, = client.wait([job_id], timeout_s=90)
+        assert view.status.value == "completed" and view.reward == 1.0
+        assert int(redis.hget(f"rollout:job:{job_id}", "attempts_run")) == 2
+        assert [b.live_assignments for b in client.backends()] == [0]
+        trajectory = client.trajectory(job_id)
+        assert sum(t.kind == "generation" for t in trajectory.turns) == 6
