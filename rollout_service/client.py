@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import httpx
 import msgpack
@@ -11,6 +11,7 @@ from rollout_service.errors import ApiError, DeadlineExceeded
 from rollout_service.schemas import (
     TERMINAL_STATUSES, BackendView, JobView, ScoreResponse, SubmitResponse, Trajectory,
 )
+from rollout_service.schemas import BatchCreated, BatchGroup, BatchGroupsPage, BatchView
 
 
 class RolloutClient:
@@ -87,6 +88,39 @@ class RolloutClient:
         body = {} if policy_version is None else {"policy_version": policy_version}
         return self._call("POST", "/v1/backends/resume", json=body)
 
+    # -- batches --------------------------------------------------------------------
+    def batch(self, tasks: list[dict[str, Any]], *, group_size: int, target_groups: int,
+              max_inflight_groups: Optional[int] = None, filter: str = "none",
+              on_failure: str = "drop_group", max_rollout_retries: Optional[int] = None,
+              trajectories: bool = True, progress: bool = True, wait_s: float = 10.0,
+              timeout_s: Optional[float] = None, idempotency_key: Optional[str] = None,
+              **fields: Any) -> "BatchRun":
+        """Submit a batch (POST /v1/batches); iterate the result for its accepted groups as they come.
+
+        ``filter="nonuniform_reward"`` keeps only groups whose rewards differ (DAPO dynamic
+        sampling). ``fields``: sampling, agent, timeouts, metadata, max_policy_lag.
+        """
+        body = {"tasks": tasks, "group_size": group_size, "target_groups": target_groups,
+                "max_inflight_groups": max_inflight_groups, "filter": filter, "on_failure": on_failure,
+                "max_rollout_retries": max_rollout_retries, **fields}
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        created = BatchCreated.model_validate(self._call(
+            "POST", "/v1/batches", json={k: v for k, v in body.items() if v is not None}, headers=headers))
+        return BatchRun(self, created.batch_id, target_groups, trajectories=trajectories,
+                        progress=progress, wait_s=wait_s, timeout_s=timeout_s)
+
+    def batch_status(self, batch_id: str) -> BatchView:
+        return BatchView.model_validate(self._call("GET", f"/v1/batches/{batch_id}"))
+
+    def batch_groups(self, batch_id: str, after: str = "0", wait_s: float = 0.0) -> BatchGroupsPage:
+        """One long-poll: accepted groups after ``after`` (a cursor from the previous page)."""
+        return BatchGroupsPage.model_validate(self._call(
+            "GET", f"/v1/batches/{batch_id}/groups", params={"after": after, "wait": wait_s},
+            timeout=wait_s + self.http.timeout.read if self.http.timeout.read else None))
+
+    def cancel_batch(self, batch_id: str) -> BatchView:
+        return BatchView.model_validate(self._call("POST", f"/v1/batches/{batch_id}/cancel"))
+
     # -- plumbing ---------------------------------------------------------------------
     def _call(self, method: str, path: str, msgpack_body: bool = False, **kwargs: Any) -> Any:
         if msgpack_body:
@@ -103,3 +137,61 @@ class RolloutClient:
             err = doc.get("error", {}) if isinstance(doc, dict) else {}
             raise ApiError(response.status_code, err.get("code", "error"), err.get("message", str(doc)))
         return doc
+
+
+class BatchRun:
+    """A submitted batch. Iterating it yields accepted groups (with trajectories, rewards and
+    group mean/std for advantages) until the batch is over, with a tqdm progress bar.
+
+    ``view()`` has the counters and, once over, ``remaining_tasks`` to carry over; leaving a
+    ``with`` block cancels the batch if it is still running.
+    """
+
+    def __init__(self, client: RolloutClient, batch_id: str, target_groups: int, *, trajectories: bool = True,
+                 progress: bool = True, wait_s: float = 10.0, timeout_s: Optional[float] = None) -> None:
+        self.client = client
+        self.batch_id = batch_id
+        self.target_groups = target_groups
+        self.trajectories = trajectories
+        self.progress = progress
+        self.wait_s = wait_s
+        self.timeout_s = timeout_s
+
+    def __iter__(self) -> Iterator[BatchGroup]:
+        from tqdm import tqdm
+
+        deadline = time.monotonic() + self.timeout_s if self.timeout_s else None
+        cursor = "0"
+        with tqdm(total=self.target_groups, desc=self.batch_id, unit="group", disable=not self.progress) as bar:
+            while True:
+                page = self.client.batch_groups(self.batch_id, after=cursor, wait_s=self.wait_s)
+                cursor = page.cursor
+                bar.set_postfix(dropped=page.dropped, in_flight=page.in_flight, refresh=False)
+                for group in page.groups:
+                    if self.trajectories:
+                        for rollout in group.rollouts:
+                            rollout.trajectory = self.client.trajectory(rollout.job_id)
+                    bar.update(1)
+                    yield group
+                if page.done:
+                    return
+                if deadline is not None and time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"batch {self.batch_id} still running after {self.timeout_s:.0f} s "
+                        f"({page.accepted}/{self.target_groups} accepted); wait longer or cancel it")
+
+    def groups(self) -> list[BatchGroup]:
+        return list(self)
+
+    def view(self) -> BatchView:
+        return self.client.batch_status(self.batch_id)
+
+    def cancel(self) -> BatchView:
+        return self.client.cancel_batch(self.batch_id)
+
+    def __enter__(self) -> "BatchRun":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.view().status.value == "running":
+            self.cancel()

@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from rollout_service import metrics
 from rollout_service.backends import BackendPool
+from rollout_service.batches import batches_blueprint
 from rollout_service.errors import (
     RolloutError, StoreUnavailable, Unauthorized, ValidationError,
 )
@@ -194,6 +195,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         page = resources.files("rollout_service").joinpath("ui/index.html").read_text()
         return Response(page, mimetype="text/html")
 
+    app.register_blueprint(batches_blueprint(settings))
     return app
 
 

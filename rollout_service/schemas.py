@@ -186,3 +186,115 @@ class ScoreRequest(_Strict):
 class ScoreResponse(BaseModel):
     reward: float
     details: dict[str, Any] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+class BatchFilter(str, Enum):
+    none = "none"
+    nonuniform_reward = "nonuniform_reward"
+
+
+class OnFailure(str, Enum):
+    drop_group = "drop_group"
+    retry_rollout = "retry_rollout"
+
+
+class BatchStatus(str, Enum):
+    running = "running"
+    completed = "completed"
+    cancelled = "cancelled"
+    failed = "failed"
+
+
+class BatchRequest(_Strict):
+    """``POST /v1/batches``: K accepted GRPO groups of ``group_size`` rollouts, DAPO-filtered."""
+
+    tasks: list[dict[str, Any]] = Field(min_length=1)
+    group_size: int = Field(ge=1, le=1024)
+    target_groups: int = Field(ge=1)
+    max_inflight_groups: Optional[int] = Field(None, ge=1, description="default: target_groups")
+    filter: BatchFilter = BatchFilter.none
+    on_failure: OnFailure = OnFailure.drop_group
+    max_rollout_retries: int = Field(2, ge=0, le=10, description="per rollout, with retry_rollout")
+    sampling: Sampling = Field(default_factory=Sampling)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    max_policy_lag: Optional[int] = Field(None, ge=0)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tasks")
+    @classmethod
+    def _every_task_has_a_domain(cls, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, task in enumerate(tasks):
+            try:
+                _require_domain(task)
+            except ValueError as exc:
+                raise ValueError(f"tasks[{i}]: {exc}") from None
+        return tasks
+
+    def job_request(self, task: dict[str, Any], n: int) -> JobRequest:
+        return JobRequest(task=task, n=n, sampling=self.sampling, agent=self.agent, timeouts=self.timeouts,
+                          max_policy_lag=self.max_policy_lag, metadata=self.metadata)
+
+
+class BatchCreated(BaseModel):
+    batch_id: str
+
+
+class BatchView(BaseModel):
+    batch_id: str
+    status: BatchStatus
+    reason: Optional[str] = Field(None, description="target_reached | tasks_exhausted | cancelled")
+    target_groups: int
+    group_size: int
+    accepted: int
+    dropped: int
+    dropped_uniform: int
+    dropped_failed: int
+    in_flight: int
+    cancelled_groups: int
+    retried_rollouts: int
+    tasks_total: int
+    tasks_started: int
+    remaining_tasks: list[dict[str, Any]] = Field(
+        default_factory=list, description="never started, or started in a group cancelled at completion")
+    remaining_task_indices: list[int] = Field(default_factory=list)
+    created_at: float
+    finished_at: Optional[float] = None
+
+
+class GroupRollout(BaseModel):
+    job_id: str
+    status: JobStatus
+    reward: Optional[float] = None
+    finish_reason: Optional[FinishReason] = None
+    trajectory: Optional[Trajectory] = Field(None, description="filled in by the client SDK")
+
+
+class BatchGroup(BaseModel):
+    group_id: str
+    task_index: int
+    task: dict[str, Any]
+    rollouts: list[GroupRollout]
+    reward_mean: float
+    reward_std: float = Field(description="sample standard deviation (ddof=1), as torch.std")
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward or 0.0 for r in self.rollouts]
+
+    def advantages(self, eps: float = 1e-6) -> list[float]:
+        """GRPO advantages: each reward minus the group mean, over the group std."""
+        return [(r - self.reward_mean) / (self.reward_std + eps) for r in self.rewards]
+
+
+class BatchGroupsPage(BaseModel):
+    groups: list[BatchGroup]
+    cursor: str
+    status: BatchStatus
+    done: bool = Field(description="the batch is over and every accepted group has been returned")
+    accepted: int = 0
+    dropped: int = 0
+    in_flight: int = 0

@@ -8,7 +8,7 @@ import pytest
 @pytest.mark.parametrize("body, status, fragment", [
     ({}, 400, "task"),
     ({"task": {"problem": "1+1"}}, 400, "domain"),
-    ({"task": {"domain": "chemistry"}}, 400, "valid: math"),
+    ({"task": {"domain": "chemistry"}}, 400, "valid: code, math, stem, swe"),
     ({"task": {"domain": "math", "answer": "2"}}, 400, "task.problem"),
     ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": "two"}, 400, "n"),
     ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": 0}, 400, "n"),

@@ -42,6 +42,13 @@ def alive(pids: list[int]) -> list[int]:
     return living
 
 
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def wait_until(condition: Callable[[], object], timeout_s: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -81,7 +88,9 @@ def test_start_without_a_workspace_says_what_to_do(tmp_path: Path) -> None:
     box.stop()
 
 
-def test_sandbox_can_write_its_workspace_and_nothing_else(sandbox: ServerSandbox, workspace: Path, tmp_path: Path) -> None:
+def test_sandbox_can_write_its_workspace_and_nothing_else(
+    sandbox: ServerSandbox, workspace: Path, tmp_path: Path
+) -> None:
     assert bash(sandbox, "echo made > /workspace/new.txt && cat README.md")["output"] == "hello"
     assert (workspace / "new.txt").read_text() == "made\n"
     for target in ("/etc/escape", f"{tmp_path}/escape", "/work/escape", "/escape", "/usr/escape"):
@@ -159,9 +168,10 @@ def test_stop_kills_every_process_of_the_sandbox_even_detached_ones(workspace: P
 
 
 def test_execute_after_the_server_died_raises_sandbox_error(sandbox: ServerSandbox) -> None:
-    server = [pid for pid in descendants(sandbox.process.pid) if b"action_server" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert server
+    server = [pid for pid in descendants(sandbox.process.pid) if command_of(pid).startswith(sys.executable + " -c")]
+    assert len(server) == 1
     os.kill(server[0], 9)
+    assert wait_until(lambda: not alive(server))
     with pytest.raises(SandboxError, match="stopped answering"):
         bash(sandbox, "echo hi")
 
@@ -188,7 +198,9 @@ def test_started_sandbox_is_registered_and_stop_unregisters_it(workspace: Path, 
     assert redis_client.zscore(EXPIRY_KEY, box.sandbox_id) is None
 
 
-def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(workspace: Path, tmp_path: Path, redis_client: redis.Redis) -> None:
+def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(
+    workspace: Path, tmp_path: Path, redis_client: redis.Redis
+) -> None:
     live_ws = tmp_path / "live"
     live_ws.mkdir()
     expired = create_sandbox("bwrap", SandboxSpec("old", str(workspace), tools=("bash",), ttl_s=0.2), redis_client)
@@ -281,7 +293,9 @@ def test_singularity_sandbox_runs_the_action_server_through_the_binary(
     assert str(image) in exec_call
 
 
-def test_docker_image_is_converted_once_even_when_asked_concurrently(tmp_path: Path, stand_in_singularity: Path) -> None:
+def test_docker_image_is_converted_once_even_when_asked_concurrently(
+    tmp_path: Path, stand_in_singularity: Path
+) -> None:
     results: list[str] = []
     threads = [
         threading.Thread(target=lambda: results.append(ensure_image("docker://python:3.11-slim", tmp_path / "cache")))
@@ -301,3 +315,15 @@ def test_singularity_without_an_image_is_a_clear_error(workspace: Path) -> None:
     with pytest.raises(SandboxError, match="needs an image"):
         ensure_image(None)
 
+
+
+def test_a_sandbox_started_from_a_short_lived_thread_outlives_it(workspace: Path) -> None:
+    box = create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",)))
+    starter = threading.Thread(target=box.start)
+    starter.start()
+    starter.join()
+    try:
+        time.sleep(0.2)
+        assert bash(box, "echo alive")["output"] == "alive"
+    finally:
+        box.stop()

@@ -132,13 +132,15 @@ def test_a_dying_kernel_is_reported_and_replaced(sandbox: ServerSandbox) -> None
 def test_editor_creates_views_replaces_inserts_and_undoes(sandbox: ServerSandbox, workspace: Path) -> None:
     assert edit(sandbox, command="create", path="pkg/mod.py", file_text="a = 1\nb = 2\nc = 1\n")["error"] is None
     assert (workspace / "pkg/mod.py").read_text() == "a = 1\nb = 2\nc = 1\n"
-    assert edit(sandbox, command="view", path="pkg/mod.py", view_range=[2, 3])["output"] == "     2\tb = 2\n     3\tc = 1"
+    viewed = edit(sandbox, command="view", path="pkg/mod.py", view_range=[2, 3])
+    assert viewed["output"] == "     2\tb = 2\n     3\tc = 1"
     twice = edit(sandbox, command="str_replace", path="pkg/mod.py", old_str=" = 1", new_str=" = 9")
     assert twice["error"] and "2 times" in twice["error"] and "lines 1, 3" in twice["error"]
     missing = edit(sandbox, command="str_replace", path="pkg/mod.py", old_str="zzz", new_str="")
     assert missing["error"] and "not found" in missing["error"]
     assert edit(sandbox, command="str_replace", path="pkg/mod.py", old_str="b = 2", new_str="b = 3")["error"] is None
-    assert edit(sandbox, command="insert", path="/workspace/pkg/mod.py", insert_line=0, new_str="# top")["error"] is None
+    inserted = edit(sandbox, command="insert", path="/workspace/pkg/mod.py", insert_line=0, new_str="# top")
+    assert inserted["error"] is None
     assert (workspace / "pkg/mod.py").read_text() == "# top\na = 1\nb = 3\nc = 1\n"
     edit(sandbox, command="undo_edit", path="pkg/mod.py")
     edit(sandbox, command="undo_edit", path="pkg/mod.py")

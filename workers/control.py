@@ -10,10 +10,11 @@ import threading
 import time
 from typing import Any
 
+import redis
 from celery.signals import worker_ready
 
 from rollout_service.backends import BackendPool
-from rollout_service.errors import NotFound
+from rollout_service.errors import NotFound, StoreUnavailable
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from workers.celery_app import app, pipeline_for
@@ -83,3 +84,15 @@ def _start_housekeeping(sender: Any, **_: Any) -> None:
                 log.warning("housekeeping failed; retrying next interval", exc_info=True)
 
     threading.Thread(target=loop, name="housekeeping", daemon=True).start()
+
+
+@app.task(name="workers.control.batch_member_done", autoretry_for=(StoreUnavailable, redis.ConnectionError),
+          retry_backoff=True, max_retries=8)
+def batch_member_done(job_id: str) -> str:
+    """A member of a batch reached a terminal state: decide its group, top the batch up, cancel
+    what the batch no longer needs (see rollout_service.batches)."""
+    from rollout_service.batches import BatchControl
+
+    decision = BatchControl(job_store()).member_done(job_id)
+    log.info("batch member %s: %s", job_id, decision)
+    return decision

@@ -3,6 +3,7 @@ start/execute/stop lifecycle of an action server child process."""
 from __future__ import annotations
 
 import json
+import queue
 import logging
 import os
 import select
@@ -15,6 +16,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -143,6 +145,40 @@ def kill_tree(pid: int) -> None:
         time.sleep(0.01)
 
 
+class _Launcher:
+    """Forks sandbox processes from one long-lived thread. ``bwrap --die-with-parent`` uses
+    PR_SET_PDEATHSIG, which fires when the *thread* that forked it exits: a sandbox started
+    from a short-lived thread (a recycled pool thread, a helper) would die with that thread."""
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def popen(self, argv: list[str], **options: Any) -> subprocess.Popen:
+        with self._lock:
+            if self._pid != os.getpid():  # first use, or first use after a fork
+                self._requests = queue.Queue()
+                thread = threading.Thread(target=self._serve, args=(self._requests,), daemon=True)
+                thread.start()
+                self._pid = os.getpid()
+        result: Future = Future()
+        self._requests.put((argv, options, result))
+        return result.result()
+
+    @staticmethod
+    def _serve(requests: queue.Queue) -> None:
+        while True:
+            argv, options, result = requests.get()
+            try:
+                result.set_result(subprocess.Popen(argv, **options))
+            except BaseException as exc:
+                result.set_exception(exc)
+
+
+_launcher = _Launcher()
+
+
 class ServerSandbox:
     """A sandbox whose action server is a child process listening on ``<socket_dir>/action.sock``.
 
@@ -188,7 +224,7 @@ class ServerSandbox:
             self._prepare()
             argv, popen_options = self._launch()
             with open(self._log_path, "ab") as log_file:
-                self.process = subprocess.Popen(
+                self.process = _launcher.popen(
                     argv,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -214,7 +250,9 @@ class ServerSandbox:
                 register(self.redis, self)
             except Exception as exc:  # an unregistered sandbox could outlive its worker unseen
                 self.stop()
-                raise SandboxError(f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check Redis") from exc
+                raise SandboxError(
+                    f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check that Redis is reachable"
+                ) from exc
 
     def execute(self, tool: str, args: dict, timeout_s: float) -> dict:
         if self._client is None:

@@ -82,21 +82,25 @@ def hidden_ancestor(path: str) -> str | None:
     return None
 
 
-def runtime_mounts() -> list[str]:
-    """Mount the runtime at its own path even when it lives under a private directory (e.g. /root):
-    a tmpfs hides the private directory and only the runtime is bound back in."""
+def runtime_mounts(covered: list[str], check_access: bool) -> list[str]:
+    """Bind the runtime back at its own path where the sandbox would not see it: under a directory
+    the sandbox mounts privately (``covered``: /tmp, ...) or, with ``check_access`` (the server
+    switches uid), under a directory other users cannot enter (e.g. /root), hidden by a tmpfs."""
     args: list[str] = []
-    hidden: set[str] = set()
+    made: set[str] = set(covered)
     for path in runtime_paths():
-        ancestor = hidden_ancestor(path)
-        if ancestor is None:
+        base = next((c for c in covered if path.startswith(c.rstrip("/") + "/")), None)
+        if base is None and check_access:
+            base = hidden_ancestor(path)
+            if base is not None and base not in made:
+                made.add(base)
+                args += ["--tmpfs", base]
+        if base is None:
             continue
-        if ancestor not in hidden:
-            hidden.add(ancestor)
-            args += ["--tmpfs", ancestor]
         parent = Path(path).parent
         for directory in reversed([parent, *parent.parents]):
-            if len(str(directory)) > len(ancestor):
+            if len(str(directory)) > len(base) and str(directory) not in made:
+                made.add(str(directory))
                 args += ["--perms", "0755", "--dir", str(directory)]
         args += ["--ro-bind", path, path]
     return args
@@ -139,12 +143,12 @@ def bwrap_argv(
     for private in ("/tmp", "/dev/shm"):
         argv += ["--perms", "1777", "--size", tmp_size, "--tmpfs", private]
     argv += ["--tmpfs", "/run"]
-    needed = runtime_paths()
+    covered = ["/tmp", "/dev/shm", "/run"]
     for path in hide:
-        if os.path.isdir(path) and not any(p == path or p.startswith(path.rstrip("/") + "/") for p in needed):
+        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in covered):
+            covered.append(path)
             argv += ["--tmpfs", path]
-    if uid is not None:
-        argv += runtime_mounts()
+    argv += runtime_mounts(covered, check_access=uid is not None)
     argv += ["--bind", socket_dir, "/run/rollout", "--bind", spec.workspace, "/workspace", "--chdir", "/workspace"]
     argv += ["--remount-ro", "/", "--hostname", "sandbox"]
     for key, value in env.items():

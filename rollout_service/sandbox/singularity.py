@@ -85,7 +85,9 @@ def ensure_image(image: str | None, cache_dir: Path | None = None) -> str:
     elif image.startswith(REMOTE_SCHEMES):
         source_id = image
     else:
-        raise SandboxError(f"image {image!r} is neither a .sif file, a .def file nor a docker:// (or oras://) reference")
+        raise SandboxError(
+            f"image {image!r} is neither a .sif file, a .def file nor a docker:// (or oras://) reference"
+        )
     cache_dir = cache_dir or image_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     name = hashlib.sha256(source_id.encode()).hexdigest()[:20]

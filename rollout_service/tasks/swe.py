@@ -8,7 +8,7 @@ Task: ``instance_id, problem_statement, base_commit, test_patch, FAIL_TO_PASS, P
 - or ``image`` alone (Singularity, SWE-bench style): the repository is inside the image at
   ``repo_dir`` (default /testbed) and the agent edits it there.
 Optional: ``test_cmd`` (default ``python -m pytest -rA -p no:cacheprovider``; the test ids
-are appended), ``timeout_s`` for the test run (capped by ROLLOUT_EVAL_TIMEOUT_S).
+are appended; it must print pytest's ``-rA`` summary), ``timeout_s`` for the test run (capped by ROLLOUT_EVAL_TIMEOUT_S).
 
 Artifact: ``{"patch", "answer"}``; the patch is ``git add -A && git diff --cached base_commit``,
 computed inside the agent's sandbox (never by git on the host, where hooks and config the
@@ -282,8 +282,10 @@ fi
 for f in {reset_files}; do
   if $G cat-file -e {base}:"$f" 2>/dev/null; then $G checkout -q {base} -- "$f"; else rm -rf -- "$f"; fi
 done
-$G apply --verbose --whitespace=nowarn /workspace/test.patch >> /workspace/apply.log 2>&1 || \\
-  {{ echo "ROLLOUT-STAGE test-patch-failed"; exit 0; }}
+if [ -s /workspace/test.patch ] && ! $G apply --verbose --whitespace=nowarn /workspace/test.patch \\
+     >> /workspace/apply.log 2>&1
+then echo "ROLLOUT-STAGE test-patch-failed"; exit 0
+fi
 echo "ROLLOUT-STAGE tests-started"
 timeout -k 5 {budget_s:g} {test_cmd} {" ".join(shlex.quote(t) for t in tests)} > /workspace/test.log 2>&1
 echo "ROLLOUT-STAGE tests-exited $?"
