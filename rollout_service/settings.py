@@ -8,13 +8,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import shutil
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-
-
-def _default_sandbox() -> str:
-    return "bwrap" if shutil.which("bwrap") else "local"
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class Settings:
     backend_probe_interval_s: float = 5.0
     max_turns: int = 20
     max_new_tokens: int = 1024
-    sandbox: str = field(default_factory=_default_sandbox)
+    sandbox: str = "bwrap"  # "local" (no isolation) only when asked for explicitly
     sandbox_memory_mb: int = 2048
     sandbox_max_procs: int = 256
     sandbox_cpu_time_s: int = 3600

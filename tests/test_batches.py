@@ -280,3 +280,174 @@ def test_a_rotating_script_episode_answers_each_new_rollout_of_a_prompt_differen
     ids = renderer.encode(tool_call("ipython", code="1")) + [renderer.end_of_turn_id]
     follow_up = prompt + ids + renderer.observation_delta([{"role": "tool", "content": "1"}], ids)
     assert renderer.decode_generation(generate(follow_up)) == "first, second turn"
+
+
+# --------------------------------------------------------------------------- end to end
+
+ANSWER_RIGHT, ANSWER_WRONG = "It is \\boxed{4}.", "It is \\boxed{7}."
+
+
+def solved(problem: str) -> dict:
+    return {"match": problem, "turns": [ANSWER_RIGHT]}
+
+
+def never(problem: str) -> dict:
+    return {"match": problem, "turns": [ANSWER_WRONG]}
+
+
+def mixed(problem: str) -> dict:
+    """Rollouts of this prompt alternate between a right and a wrong answer."""
+    return {"match": problem, "rotate": [[ANSWER_RIGHT], [ANSWER_WRONG]]}
+
+
+def slow(problem: str, turns: int = 15, delay_s: float = 1.0) -> dict:
+    return {"match": problem, "turns": [{"text": tool_call("ipython", code="1"), "delay_s": delay_s}] * turns
+            + [ANSWER_RIGHT]}
+
+
+def broken(problem: str) -> dict:
+    """One tool call, then the script has no turn left: the server answers 400 and the job fails."""
+    return {"match": problem, "turns": [tool_call("ipython", code="1")]}
+
+
+def scripted_tasks(scripted_backend, *episodes: Callable[[str], dict]) -> list[dict]:
+    """One math task (answer 4) per episode kind, and a backend that plays them."""
+    problems = [f"Problem {i} ({uuid.uuid4().hex[:8]}): what is 2 + 2?" for i in range(len(episodes))]
+    scripted_backend({"episodes": [make(p) for make, p in zip(episodes, problems)]})
+    return [math_task(p) for p in problems]
+
+
+def jobs_of(service, batch_id: str) -> dict[str, str]:
+    r = service.redis()
+    return {key.decode().rsplit(":", 1)[1]: r.hget(key, "status").decode()
+            for key in r.scan_iter("rollout:job:job-*", count=1000)
+            if key.count(b":") == 2 and r.hget(key, "batch_id") == batch_id.encode()}
+
+
+def sandboxes_of(service, job_ids: set[str]) -> list[str]:
+    r = service.redis()
+    registered = [key for key in r.scan_iter("rollout:sandbox:*") if key != b"rollout:sandbox:expiry"]
+    return [key.decode() for key in registered if (r.hget(key, "job_id") or b"").decode() in job_ids]
+
+
+def bwrap_processes_of(job_ids: set[str]) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "bwrap" in cmdline and any(j in cmdline for j in job_ids):
+            found.append(int(proc.name))
+    return found
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def assert_nothing_of_the_batch_is_left_running(service, client, batch_id: str, finished_at: float) -> None:
+    time.sleep(max(0.0, finished_at + 5 - time.time()))
+    jobs = jobs_of(service, batch_id)
+    still_running = {j: s for j, s in jobs.items() if JobStatus(s) not in TERMINAL_STATUSES}
+    assert not still_running, f"5 s after the batch ended these jobs still run: {still_running}"
+    assert wait_until(lambda: not sandboxes_of(service, set(jobs)) and not bwrap_processes_of(set(jobs)), 5)
+    assert wait_until(lambda: all(b.live_assignments == 0 for b in client.backends()), 5), client.backends()
+
+
+def test_a_filtered_batch_accepts_exactly_the_target_of_mixed_groups_and_cancels_the_rest(
+        service, client, scripted_backend):
+    tasks = scripted_tasks(scripted_backend, slow, solved, never, mixed, solved, mixed, mixed, never, mixed)
+    run = client.batch(tasks, group_size=3, target_groups=2, max_inflight_groups=3,
+                       filter="nonuniform_reward", progress=False, timeout_s=90)
+    groups = list(run)
+
+    assert len(groups) == 2
+    for group in groups:
+        assert sorted(group.rewards) in ([0.0, 0.0, 1.0], [0.0, 1.0, 1.0]), "a uniform group was accepted"
+        assert [r.trajectory.reward for r in group.rollouts] == group.rewards
+        assert group.reward_std > 0 and group.advantages() != [0.0, 0.0, 0.0]
+        assert group.task in tasks
+    view = run.view()
+    assert (view.status.value, view.reason, view.accepted, view.in_flight) == ("completed", "target_reached", 2, 0)
+    assert view.dropped_uniform >= 2 and view.cancelled_groups >= 1 and 0 in view.remaining_task_indices
+    assert view.accepted + view.dropped + view.cancelled_groups == view.tasks_started
+    assert [tasks[i] for i in view.remaining_task_indices] == view.remaining_tasks
+    assert_nothing_of_the_batch_is_left_running(service, client, run.batch_id, view.finished_at)
+    assert "cancelled" in jobs_of(service, run.batch_id).values()
+
+
+def test_a_group_with_a_failed_rollout_is_dropped_not_scored_zero(service, client, scripted_backend):
+    tasks = scripted_tasks(scripted_backend, broken, mixed)
+    run = client.batch(tasks, group_size=2, target_groups=1, max_inflight_groups=1,
+                       filter="nonuniform_reward", progress=False, trajectories=False, timeout_s=60)
+    group, = run
+    view = run.view()
+    assert group.task == tasks[1] and (view.dropped_failed, view.accepted) == (1, 1)
+    failed = [j for j, s in jobs_of(service, run.batch_id).items() if s == "failed"]
+    assert failed and client.get(failed[0]).error.code == "backend_rejected"
+
+
+def test_retry_rollout_replaces_a_failed_rollout_in_its_group(service, client, scripted_backend):
+    def flaky(problem: str) -> dict:
+        return {"match": problem, "rotate": [[tool_call("ipython", code="1")], [ANSWER_RIGHT], [ANSWER_WRONG]]}
+
+    tasks = scripted_tasks(scripted_backend, flaky)
+    run = client.batch(tasks, group_size=2, target_groups=1, filter="nonuniform_reward",
+                       on_failure="retry_rollout", progress=False, trajectories=False, timeout_s=60)
+    group, = run
+    assert sorted(group.rewards) == [0.0, 1.0] and {r.status.value for r in group.rollouts} == {"completed"}
+    view = run.view()
+    assert (view.accepted, view.retried_rollouts, view.dropped) == (1, 1, 0)
+    assert sorted(jobs_of(service, run.batch_id).values()) == ["completed", "completed", "failed"]
+
+
+def test_a_batch_whose_tasks_run_out_completes_short_and_one_whose_groups_all_fail_fails(
+        service, client, scripted_backend):
+    tasks = scripted_tasks(scripted_backend, solved, never, broken)
+    short = client.batch(tasks[:2], group_size=2, target_groups=2, filter="nonuniform_reward", progress=False)
+    assert list(short) == []
+    view = short.view()
+    assert (view.status.value, view.reason, view.accepted, view.dropped_uniform) == (
+        "completed", "tasks_exhausted", 0, 2)
+    doomed = client.batch(tasks[2:], group_size=2, target_groups=1, progress=False)
+    assert list(doomed) == [] and doomed.view().status.value == "failed"
+
+
+def test_cancelling_a_batch_stops_its_rollouts_and_returns_its_tasks(service, client, scripted_backend):
+    tasks = scripted_tasks(scripted_backend, slow, slow, slow)
+    run = client.batch(tasks, group_size=2, target_groups=1, max_inflight_groups=2, progress=False)
+    assert wait_until(lambda: "running" in jobs_of(service, run.batch_id).values(), 30)
+    view = run.cancel()
+    assert (view.status.value, view.cancelled_groups, view.in_flight) == ("cancelled", 2, 0)
+    assert view.remaining_tasks == tasks
+    assert_nothing_of_the_batch_is_left_running(service, client, run.batch_id, view.finished_at)
+
+
+@pytest.mark.parametrize("change, complaint", [
+    ({"filter": "dapo"}, "filter"),
+    ({"on_failure": "ignore"}, "on_failure"),
+    ({"tasks": []}, "tasks"),
+    ({"tasks": [{"problem": "no domain"}]}, "tasks[0]: task needs a \"domain\""),
+    ({"tasks": [math_task("fine"), {"domain": "math", "problem": "no answer"}]}, "tasks[1]: task.answer"),
+    ({"tasks": [{"domain": "chess"}]}, "unknown domain 'chess'"),
+    ({"target_groups": 3}, "target_groups (3) exceeds the number of tasks (2)"),
+    ({"group_size": 1, "filter": "nonuniform_reward"}, "group_size >= 2"),
+    ({"max_inflight_groups": 0}, "max_inflight_groups"),
+    ({"group_sise": 4}, "group_sise"),
+])
+def test_a_bad_batch_is_a_400_that_names_the_problem(service, change, complaint):
+    body = {"tasks": [math_task("a"), math_task("b")], "group_size": 2, "target_groups": 1, **change}
+    answer = httpx.post(f"{service.url}/v1/batches", json=body)
+    assert answer.status_code == 400 and complaint in answer.json()["error"]["message"]
+
+
+def test_an_unknown_batch_is_a_404_and_a_bad_cursor_a_400(service):
+    assert httpx.get(f"{service.url}/v1/batches/batch-missing").status_code == 404
+    assert httpx.get(f"{service.url}/v1/batches/batch-missing/groups").status_code == 404
+    assert httpx.post(f"{service.url}/v1/batches/batch-missing/cancel").status_code == 404

@@ -5,11 +5,14 @@ import json
 import logging
 import os
 import socket
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -18,9 +21,10 @@ import redis
 
 from rollout_service.errors import SandboxError, UnknownName
 from rollout_service.sandbox import SANDBOXES, SandboxSpec, create_sandbox, reap_expired
-from rollout_service.sandbox.base import ServerSandbox, descendants
+from rollout_service.sandbox.base import ServerSandbox, descendants, process_start_ticks
 from rollout_service.sandbox.registry import EXPIRY_KEY, registered, sandbox_key
 from rollout_service.sandbox.singularity import ensure_image, singularity_argv
+from rollout_service.settings import get_settings
 
 STAND_IN = Path(__file__).with_name("stand_in_singularity")
 
@@ -96,9 +100,28 @@ def test_sandbox_can_write_its_workspace_and_nothing_else(
     for target in ("/etc/escape", f"{tmp_path}/escape", "/work/escape", "/escape", "/usr/escape"):
         observation = bash(sandbox, f"touch {target}")
         assert observation["exit_code"] != 0, target
-    assert bash(sandbox, "echo private > /tmp/scratch && cat /tmp/scratch")["output"] == "private"
-    assert not Path("/tmp/scratch").exists()
+    scratch = f"/tmp/sandbox-private-{uuid.uuid4().hex}"
+    assert bash(sandbox, f"echo private > {scratch} && cat {scratch}")["output"] == "private"
+    assert not Path(scratch).exists()
     assert not (tmp_path / "escape").exists()
+
+
+def test_sandbox_cannot_read_the_services_state(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outside_tmp = Path(tempfile.mkdtemp(dir="/var/tmp"))  # the sandbox has its own /tmp anyway
+    state = outside_tmp / "state"
+    state.mkdir()
+    (state / "jobs.aof").write_text("ground truth answers")
+    for path in (outside_tmp, state):
+        path.chmod(0o755)
+    monkeypatch.setenv("ROLLOUT_STATE_DIR", str(state))
+    get_settings.cache_clear()
+    try:
+        with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))) as box:
+            assert bash(box, f"ls {outside_tmp}")["output"] == "state"  # visible, so the test could fail
+            assert bash(box, f"ls -A {state}")["output"] == ""
+    finally:
+        get_settings.cache_clear()
+        shutil.rmtree(outside_tmp)
 
 
 def test_sandbox_cannot_open_a_network_connection(sandbox: ServerSandbox, redis_url: str) -> None:
@@ -168,6 +191,7 @@ def test_stop_kills_every_process_of_the_sandbox_even_detached_ones(workspace: P
 
 
 def test_execute_after_the_server_died_raises_sandbox_error(sandbox: ServerSandbox) -> None:
+    assert bash(sandbox, "true")["exit_code"] == 0  # the shell is up: no forked child still looks like the server
     server = [pid for pid in descendants(sandbox.process.pid) if command_of(pid).startswith(sys.executable + " -c")]
     assert len(server) == 1
     os.kill(server[0], 9)
@@ -181,7 +205,7 @@ def test_boot_to_first_answer_is_fast(workspace: Path) -> None:
     for _ in range(5):
         with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash", "editor", "finish"))) as box:
             boots.append(box.boot_s)
-    assert statistics.median(boots) < 0.3, boots
+    assert statistics.median(boots) < 0.5, boots  # bench/tools.py measures the real p50 (about 60 ms)
 
 
 def test_started_sandbox_is_registered_and_stop_unregisters_it(workspace: Path, redis_client: redis.Redis) -> None:
@@ -210,24 +234,33 @@ def test_reaper_kills_an_expired_sandbox_and_leaves_live_ones(
     try:
         pids = descendants(expired.process.pid)
         time.sleep(0.3)
-        assert reap_expired(redis_client) == [expired.sandbox_id]
+        assert reap_expired(redis_client, socket.gethostname()) == [expired.sandbox_id]
         assert wait_until(lambda: not alive(pids)), alive(pids)
         with pytest.raises(SandboxError):
             bash(expired, "echo hi")
         assert not redis_client.exists(sandbox_key(expired.sandbox_id))
         assert bash(live, "echo alive")["output"] == "alive"
-        assert reap_expired(redis_client) == []
+        assert reap_expired(redis_client, socket.gethostname()) == []
     finally:
         expired.stop()
         live.stop()
 
 
-def test_reaper_leaves_sandboxes_of_other_hosts_alone(redis_client: redis.Redis) -> None:
-    redis_client.hset(sandbox_key("abc"), mapping={"host": "another-node", "pid": 1, "pid_start": 0, "expiry": 0})
-    redis_client.zadd(EXPIRY_KEY, {"abc": 0})
-    assert reap_expired(redis_client) == []
-    assert reap_expired(redis_client, host="another-node") == ["abc"]  # pid 1 start time differs: not killed
-    assert redis_client.zcard(EXPIRY_KEY) == 0
+def test_reaper_of_one_host_leaves_other_hosts_alone_and_never_kills_their_pids(redis_client: redis.Redis) -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        started = process_start_ticks(sleeper.pid)
+        record = {"host": "another-node", "pid": sleeper.pid, "pid_start": started, "expiry": 0}
+        redis_client.hset(sandbox_key("abc"), mapping=record)
+        redis_client.zadd(EXPIRY_KEY, {"abc": 0})
+        assert reap_expired(redis_client, socket.gethostname()) == []
+        assert redis_client.exists(sandbox_key("abc"))
+        assert reap_expired(redis_client) == ["abc"]  # every host: the record goes, the local pid lives
+        assert sleeper.poll() is None
+        assert redis_client.zcard(EXPIRY_KEY) == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_local_sandbox_warns_on_every_start_and_runs_in_the_workspace(

@@ -6,6 +6,7 @@ interval, so adding control workers adds no duplicate probes.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -27,13 +28,11 @@ STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()
 
 @app.task(name="workers.control.housekeeping")
 def housekeeping() -> dict[str, Any]:
-    from rollout_service.sandbox import reap_expired
-
+    """Cluster-wide bookkeeping; one control worker runs it per interval."""
     store = job_store()
     pool = BackendPool(store.redis)
     report = {
         "recovered_jobs": recover_orphans(store),
-        "reaped_sandboxes": reap_expired(store.redis),
         "leaked_assignments": pool.reconcile(store.live_jobs()),
         "health": pool.probe(),
     }
@@ -74,10 +73,13 @@ def _start_housekeeping(sender: Any, **_: Any) -> None:
     interval_s = get_settings().backend_probe_interval_s
 
     def loop() -> None:
+        from rollout_service.sandbox import reap_expired
+
         stop = threading.Event()
         while not stop.wait(interval_s):
             try:
                 store = job_store()
+                reap_expired(store.redis, socket.gethostname())  # every node reaps its own
                 if store.redis.set(LOCK_KEY, sender.hostname, nx=True, px=int(interval_s * 900)):
                     housekeeping()
             except Exception:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "action.sock"
 INNER_SOCKET_DIR = "/run/rollout"
+INNER_SOCKET = f"{INNER_SOCKET_DIR}/{SOCKET_NAME}"
 INNER_WORKSPACE = "/workspace"
 START_TIMEOUT_S = 60.0
 CALL_GRACE_S = 30.0
@@ -186,8 +187,6 @@ class ServerSandbox:
     """
 
     kind = ""
-    inner_socket_dir = INNER_SOCKET_DIR
-    inner_workspace = INNER_WORKSPACE
 
     def __init__(self, spec: SandboxSpec, redis_client: Any = None) -> None:
         self.spec = spec

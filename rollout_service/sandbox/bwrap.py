@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service.errors import SandboxError
-from rollout_service.sandbox.base import ServerSandbox, SandboxSpec, package_root, server_arguments
+from rollout_service.sandbox.base import (
+    INNER_SOCKET,
+    INNER_SOCKET_DIR,
+    INNER_WORKSPACE,
+    ServerSandbox,
+    SandboxSpec,
+    package_root,
+    server_arguments,
+)
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000
@@ -131,7 +139,7 @@ def bwrap_argv(
     """The bwrap command that runs the action server for ``spec``; ``uid`` set when started as root."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        raise SandboxError("bwrap is not installed: apt-get install bubblewrap, or set ROLLOUT_SANDBOX=singularity")
+        raise SandboxError("bwrap is not installed: apt-get install bubblewrap, or set ROLLOUT_SANDBOX=singularity (or =local for no isolation, development only)")
     tmp_size = str(max(spec.memory_mb, 64) * 1024 * 1024)
     argv = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
     if uid is None:
@@ -149,12 +157,13 @@ def bwrap_argv(
             covered.append(path)
             argv += ["--tmpfs", path]
     argv += runtime_mounts(covered, check_access=uid is not None)
-    argv += ["--bind", socket_dir, "/run/rollout", "--bind", spec.workspace, "/workspace", "--chdir", "/workspace"]
+    argv += ["--bind", socket_dir, INNER_SOCKET_DIR, "--bind", spec.workspace, INNER_WORKSPACE]
+    argv += ["--chdir", INNER_WORKSPACE]
     argv += ["--remount-ro", "/", "--hostname", "sandbox"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
     argv += ["--", sys.executable]
-    argv += server_arguments(spec, "/run/rollout/action.sock", "/workspace", package_root())
+    argv += server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, package_root())
     if uid is not None:
         argv += ["--user", f"{uid}:{uid}"]
     return argv

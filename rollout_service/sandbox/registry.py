@@ -52,8 +52,10 @@ def registered(redis_client: Any, sandbox_id: str) -> dict[str, str]:
 
 
 def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
-    """Kill the sandboxes on ``host`` (default: this one) whose expiry has passed; return their ids."""
-    host = host or socket.gethostname()
+    """Reap the sandboxes whose expiry has passed and return their ids: those of ``host`` only,
+    or of every host when ``host`` is None. Processes are killed only on this machine (a pid
+    means nothing elsewhere); the expired records of other hosts are just dropped."""
+    here = socket.gethostname()
     reaped = []
     for raw_id in redis_client.zrangebyscore(EXPIRY_KEY, "-inf", time.time()):
         sandbox_id = _text(raw_id)
@@ -61,13 +63,14 @@ def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
         if not record:
             redis_client.zrem(EXPIRY_KEY, sandbox_id)
             continue
-        if record.get("host") != host:
+        if host is not None and record.get("host") != host:
             continue
-        pid = int(record.get("pid") or 0)
-        if pid > 0 and process_start_ticks(pid) == int(record.get("pid_start") or -1):
-            kill_tree(pid)
-        if record.get("socket_dir"):
-            shutil.rmtree(record["socket_dir"], ignore_errors=True)
+        if record.get("host") == here:
+            pid = int(record.get("pid") or 0)
+            if pid > 0 and process_start_ticks(pid) == int(record.get("pid_start") or -1):
+                kill_tree(pid)
+            if record.get("socket_dir"):
+                shutil.rmtree(record["socket_dir"], ignore_errors=True)
         unregister(redis_client, sandbox_id)
         reaped.append(sandbox_id)
     return reaped

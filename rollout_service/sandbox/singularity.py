@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service.errors import SandboxError
-from rollout_service.sandbox.base import ServerSandbox, SandboxSpec, server_arguments
+from rollout_service.sandbox.base import (
+    INNER_SOCKET,
+    INNER_SOCKET_DIR,
+    INNER_WORKSPACE,
+    ServerSandbox,
+    SandboxSpec,
+    server_arguments,
+)
 from rollout_service.settings import get_settings
 
 RUNTIME_PREFIX = "/opt/rollout-runtime"
@@ -51,12 +58,12 @@ def singularity_argv(spec: SandboxSpec, image: str, socket_dir: str) -> list[str
         if not os.path.isdir(host_dir):  # spython would sys.exit() on a missing bind source
             raise SandboxError(f"cannot bind {host_dir} into the container: it does not exist")
     client = _client()
-    options = [*CONTAINMENT_FLAGS, "--pwd", "/workspace"]
+    options = [*CONTAINMENT_FLAGS, "--pwd", INNER_WORKSPACE]
     for key, value in sorted(spec.env.items()):
         options += ["--env", f"{key}={value}"]
-    command = [RUNTIME_PYTHON, *server_arguments(spec, "/run/rollout/action.sock", "/workspace", RUNTIME_PACKAGES)]
+    command = [RUNTIME_PYTHON, *server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, RUNTIME_PACKAGES)]
     argv = client._init_command("exec")
-    argv += client._generate_bind_list([f"{spec.workspace}:/workspace", f"{socket_dir}:/run/rollout"])
+    argv += client._generate_bind_list([f"{spec.workspace}:{INNER_WORKSPACE}", f"{socket_dir}:{INNER_SOCKET_DIR}"])
     argv += options + [image] + command
     argv[0] = singularity_binary()
     return argv

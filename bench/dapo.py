@@ -1,0 +1,251 @@
+"""Time to K accepted GRPO groups under DAPO dynamic sampling: the service's batch API vs. an
+oracle and vs. trainer-side over-sampled rounds, on one real service (gateway, Celery workers,
+Redis) with a scripted LLM.
+
+Workload (seeded): ``--tasks`` math tasks, a third each "solved" (every rollout right: reward
+1, uniform, dropped), "never" (every rollout wrong: uniform, dropped) and "mixed" (rollouts
+alternate right/wrong through the script's ``rotate``: informative, accepted). Each task's
+episode has 1-4 turns of ``--turn-delay`` seconds (uniform range) each, so episode lengths
+vary 0.4-6.4 s; non-final turns call a tool the agent does not offer (an error observation,
+no sandbox), the last calls ``finish``. All approaches get the same task order, the same group
+size and at most ``--inflight`` groups in flight.
+
+- batch:  ``POST /v1/batches`` (filter nonuniform_reward, max_inflight_groups = --inflight):
+          replenishes as groups finish, cancels the rest at K.
+- oracle: a clairvoyant trainer that never starts a group it would drop: the same batch
+          call on the task list with every uninformative task removed (same order, same cap).
+          With --inflight >= the number of informative tasks it starts them all at once and
+          keeps the K that finish first, which no scheduler can beat on this service: it is
+          the lower bound. ``ideal_s`` is the same bound without any service overhead (the
+          K-th shortest scripted informative episode).
+- rounds: the trainer-side way: POST /v1/jobs for the next --inflight tasks (n = group size),
+          wait for the whole round, keep the groups whose rewards differ, repeat until K.
+
+Time to K: from the first POST until the K-th accepted group is in the trainer's hands.
+Between runs the bench waits until no job is live, so runs never overlap.
+
+    .venv/bin/python bench/dapo.py [--tasks 30] [--target 5] [--inflight 30] [--group-size 4] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout_service.cli import WORKER_POOLS, Supervisor, gateway_command, wait_http, worker_command  # noqa: E402
+from rollout_service.client import RolloutClient  # noqa: E402
+from rollout_service.redis_server import RedisServer, free_port  # noqa: E402
+from rollout_service.reference_server import ReferenceServerProcess  # noqa: E402
+from rollout_service.settings import Settings  # noqa: E402
+from rollout_service.tiny_model import build_tiny_tokenizer  # noqa: E402
+
+KINDS = ("solved", "never", "mixed")
+RIGHT, WRONG = "\\boxed{4}", "\\boxed{7}"
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    index: int
+    kind: str
+    turn_delays_s: tuple[float, ...]
+
+    @property
+    def tag(self) -> str:
+        return f"[task-{self.index}]"
+
+    @property
+    def duration_s(self) -> float:
+        return sum(self.turn_delays_s)
+
+    @property
+    def informative(self) -> bool:
+        return self.kind == "mixed"
+
+    def task(self, run: str) -> dict[str, Any]:
+        return {"domain": "math", "problem": f"{self.tag} ({run}) What is 2 + 2?", "answer": "4"}
+
+    def episode(self) -> dict[str, Any]:
+        def turns(answer: str, variant: str) -> list[dict[str, Any]]:
+            *thinking, last = self.turn_delays_s
+            steps = [{"text": tool_call("ipython", code=f"'{variant}{k}'"), "delay_s": d}
+                     for k, d in enumerate(thinking)]
+            return steps + [{"text": tool_call("finish", answer=answer), "delay_s": last}]
+
+        if self.kind == "mixed":
+            return {"match": self.tag, "rotate": [turns(RIGHT, "a"), turns(WRONG, "b")]}
+        return {"match": self.tag, "turns": turns(RIGHT if self.kind == "solved" else WRONG, "a")}
+
+
+def tool_call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def plan_tasks(n: int, seed: int, turn_delay_s: tuple[float, float], max_turns: int) -> list[TaskPlan]:
+    rng = random.Random(seed)
+    kinds = [KINDS[i % len(KINDS)] for i in range(n)]
+    rng.shuffle(kinds)
+    return [TaskPlan(i, kind, tuple(round(rng.uniform(*turn_delay_s), 3) for _ in range(rng.randint(1, max_turns))))
+            for i, kind in enumerate(kinds)]
+
+
+# --------------------------------------------------------------------------- the service
+
+
+@dataclass
+class Stack:
+    url: str
+    redis: redis.Redis
+    backend_url: str
+
+
+@contextlib.contextmanager
+def service(state: Path, run_concurrency: int, tokenizer: Path, script: dict[str, Any]) -> Iterator[Stack]:
+    redis_server = RedisServer(state / "redis", appendonly=False).start()
+    port = free_port()
+    env = {**os.environ, "ROLLOUT_REDIS_URL": redis_server.url, "ROLLOUT_STATE_DIR": str(state),
+           "ROLLOUT_PORT": str(port), "ROLLOUT_RUN_CONCURRENCY": str(run_concurrency),
+           "ROLLOUT_INIT_CONCURRENCY": "8", "ROLLOUT_EVAL_CONCURRENCY": "2", "ROLLOUT_GATEWAY_WORKERS": "2"}
+    env.pop("ROLLOUT_API_TOKEN", None)
+    settings = Settings.from_env(env)
+    supervisor = Supervisor(state / "logs", env)
+    (state / "script.json").write_text(json.dumps(script))
+    backend = ReferenceServerProcess(["--script", str(state / "script.json"), "--tokenizer", str(tokenizer)],
+                                     port=free_port(), log_path=state / "logs" / "scripted.log")
+    try:
+        backend.start()
+        supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"))
+        for queue in WORKER_POOLS:
+            supervisor.start(f"worker-{queue}", worker_command(settings, queue))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(f"{url}/readyz", supervisor, 90)
+        yield Stack(url, redis.Redis.from_url(redis_server.url), backend.url)
+    finally:
+        supervisor.stop()
+        backend.stop()
+        redis_server.stop()
+
+
+def quiesce(stack: Stack, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while stack.redis.scard("rollout:jobs:live") and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- the approaches
+
+
+def via_batch(client: RolloutClient, tasks: list[dict[str, Any]], args: argparse.Namespace,
+              filter: str = "nonuniform_reward") -> dict[str, Any]:
+    started = time.monotonic()
+    run = client.batch(tasks, group_size=args.group_size, target_groups=args.target,
+                       max_inflight_groups=args.inflight, filter=filter, agent=AGENT,
+                       trajectories=False, progress=False, wait_s=5, timeout_s=300)
+    groups = []
+    for group in run:
+        groups.append(group)
+        if len(groups) == args.target:
+            elapsed = time.monotonic() - started
+    view = run.view()
+    if len(groups) < args.target:
+        raise SystemExit(f"batch {run.batch_id} ended with {len(groups)}/{args.target} groups: {view}")
+    assert all(len(set(g.rewards)) > 1 for g in groups), "an accepted group has uniform rewards"
+    return {"time_to_k_s": round(elapsed, 3), "groups_started": view.tasks_started,
+            "dropped": view.dropped, "cancelled_groups": view.cancelled_groups}
+
+
+def via_rounds(client: RolloutClient, tasks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    accepted, rounds, next_task = 0, 0, 0
+    while accepted < args.target:
+        if next_task >= len(tasks):
+            raise SystemExit(f"rounds ran out of tasks with {accepted}/{args.target} groups")
+        round_tasks = tasks[next_task:next_task + args.inflight]
+        next_task += len(round_tasks)
+        groups = [client.submit(task, n=args.group_size, agent=AGENT).job_ids for task in round_tasks]
+        views = {v.job_id: v for v in client.wait([j for g in groups for j in g], timeout_s=300, poll_s=0.05)}
+        accepted += sum(1 for g in groups if len({views[j].reward for j in g}) > 1
+                        and all(views[j].status.value == "completed" for j in g))
+        rounds += 1
+    return {"time_to_k_s": round(time.monotonic() - started, 3), "rounds": rounds,
+            "groups_started": next_task}
+
+
+AGENT = {"tools": ["finish"], "max_turns": 8}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=30)
+    parser.add_argument("--target", type=int, default=5, help="K accepted groups")
+    parser.add_argument("--inflight", type=int, default=30, help="groups in flight (batch, oracle) = round size")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--turn-delay", type=float, nargs=2, default=(0.4, 1.6), metavar=("MIN_S", "MAX_S"))
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args(argv)
+
+    plans = plan_tasks(args.tasks, args.seed, tuple(args.turn_delay), args.max_turns)
+    informative = [p for p in plans if p.informative]
+    if len(informative) < args.target:
+        raise SystemExit(f"only {len(informative)} informative tasks for --target {args.target}; add --tasks")
+    oracle_launched = informative[:args.inflight]
+    ideal_s = sorted(p.duration_s for p in oracle_launched)[args.target - 1]
+    run_concurrency = args.inflight * args.group_size + 8
+
+    with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp:
+        tmp_path = Path(tmp)
+        tokenizer = build_tiny_tokenizer(tmp_path / "tokenizer")
+        script = {"episodes": [p.episode() for p in plans]}
+        with service(tmp_path / "state", run_concurrency, tokenizer, script) as stack, \
+                RolloutClient(stack.url, timeout_s=120) as client:
+            client.add_backend(stack.backend_url, "vllm", "scripted", tokenizer=str(tokenizer))
+            via_batch(client, [p.task("warmup") for p in informative[:2]], argparse.Namespace(
+                **{**vars(args), "target": 1, "inflight": 2}))
+            quiesce(stack)
+            results = {}
+            for name, run in (
+                ("batch", lambda: via_batch(client, [p.task("batch") for p in plans], args)),
+                ("oracle", lambda: via_batch(client, [p.task("oracle") for p in informative], args, "none")),
+                ("rounds", lambda: via_rounds(client, [p.task("rounds") for p in plans], args)),
+            ):
+                results[name] = run()
+                quiesce(stack)
+
+    batch_s, oracle_s, rounds_s = (results[k]["time_to_k_s"] for k in ("batch", "oracle", "rounds"))
+    summary = {
+        "bench": "dapo", "tasks": args.tasks, "informative_tasks": len(informative), "target_groups": args.target,
+        "group_size": args.group_size, "max_inflight_groups": args.inflight, "seed": args.seed,
+        "ideal_s": round(ideal_s, 3), **{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()},
+        "batch_over_oracle": round(batch_s / oracle_s, 3), "rounds_over_batch": round(rounds_s / batch_s, 3),
+        "within_1_2x_of_oracle": batch_s <= 1.2 * oracle_s, "faster_than_rounds": batch_s < rounds_s,
+    }
+    print(f"{len(plans)} tasks ({len(informative)} informative), K={args.target}, groups of {args.group_size}, "
+          f"{args.inflight} groups in flight")
+    print(f"  ideal (K-th shortest informative episode, no overhead) {ideal_s:7.2f} s")
+    print(f"  oracle (only informative groups, same cap)            {oracle_s:7.2f} s")
+    print(f"  batch API (DAPO filter in the service, early cancel)  {batch_s:7.2f} s  "
+          f"= {batch_s / oracle_s:.2f}x oracle; {results['batch']['groups_started']} groups started, "
+          f"{results['batch']['cancelled_groups']} cancelled at K")
+    print(f"  rounds (trainer-side, wait for every round)           {rounds_s:7.2f} s  "
+          f"= {rounds_s / batch_s:.2f}x batch; {results['rounds']['rounds']} round(s)")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
