@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,13 +58,14 @@ RIGHT, WRONG = "\\boxed{4}", "\\boxed{7}"
 
 @dataclass(frozen=True)
 class TaskPlan:
+    repeat: int
     index: int
     kind: str
     turn_delays_s: tuple[float, ...]
 
     @property
     def tag(self) -> str:
-        return f"[task-{self.index}]"
+        return f"[task-{self.repeat}-{self.index}]"
 
     @property
     def duration_s(self) -> float:
@@ -93,11 +94,12 @@ def tool_call(name: str, **arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-def plan_tasks(n: int, seed: int, turn_delay_s: tuple[float, float], max_turns: int) -> list[TaskPlan]:
+def plan_tasks(repeat: int, n: int, seed: int, turn_delay_s: tuple[float, float], max_turns: int) -> list[TaskPlan]:
     rng = random.Random(seed)
     kinds = [KINDS[i % len(KINDS)] for i in range(n)]
     rng.shuffle(kinds)
-    return [TaskPlan(i, kind, tuple(round(rng.uniform(*turn_delay_s), 3) for _ in range(rng.randint(1, max_turns))))
+    return [TaskPlan(repeat, i, kind,
+                     tuple(round(rng.uniform(*turn_delay_s), 3) for _ in range(rng.randint(1, max_turns))))
             for i, kind in enumerate(kinds)]
 
 
@@ -186,64 +188,74 @@ def via_rounds(client: RolloutClient, tasks: list[dict[str, Any]], args: argpars
 AGENT = {"tools": ["finish"], "max_turns": 8}
 
 
+def run_once(client: RolloutClient, stack: Stack, plans: list[TaskPlan], args: argparse.Namespace
+             ) -> dict[str, Any]:
+    informative = [p for p in plans if p.informative]
+    if len(informative) < args.target:
+        raise SystemExit(f"only {len(informative)} informative tasks for --target {args.target}; add --tasks")
+    results: dict[str, Any] = {
+        "seed": plans[0].repeat + args.seed,
+        "ideal_s": round(sorted(p.duration_s for p in informative[:args.inflight])[args.target - 1], 3)}
+    for name, run in (
+        ("batch", lambda: via_batch(client, [p.task("batch") for p in plans], args)),
+        ("oracle", lambda: via_batch(client, [p.task("oracle") for p in informative], args, "none")),
+        ("rounds", lambda: via_rounds(client, [p.task("rounds") for p in plans], args)),
+    ):
+        results[name] = run()
+        quiesce(stack)
+    batch_s, oracle_s, rounds_s = (results[k]["time_to_k_s"] for k in ("batch", "oracle", "rounds"))
+    results.update(batch_over_oracle=round(batch_s / oracle_s, 3), rounds_over_batch=round(rounds_s / batch_s, 3))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=30)
     parser.add_argument("--target", type=int, default=5, help="K accepted groups")
     parser.add_argument("--inflight", type=int, default=30, help="groups in flight (batch, oracle) = round size")
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--turn-delay", type=float, nargs=2, default=(0.4, 1.6), metavar=("MIN_S", "MAX_S"))
+    parser.add_argument("--turn-delay", type=float, nargs=2, default=(1.0, 3.0), metavar=("MIN_S", "MAX_S"))
     parser.add_argument("--max-turns", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3, help="task plans (seed, seed+1, ...), one run each")
+    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
 
-    plans = plan_tasks(args.tasks, args.seed, tuple(args.turn_delay), args.max_turns)
-    informative = [p for p in plans if p.informative]
-    if len(informative) < args.target:
-        raise SystemExit(f"only {len(informative)} informative tasks for --target {args.target}; add --tasks")
-    oracle_launched = informative[:args.inflight]
-    ideal_s = sorted(p.duration_s for p in oracle_launched)[args.target - 1]
-    run_concurrency = args.inflight * args.group_size + 8
-
+    plans = [plan_tasks(r, args.tasks, args.seed + r, tuple(args.turn_delay), args.max_turns)
+             for r in range(args.repeats)]
     with tempfile.TemporaryDirectory(prefix="dapo-bench-") as tmp:
         tmp_path = Path(tmp)
         tokenizer = build_tiny_tokenizer(tmp_path / "tokenizer")
-        script = {"episodes": [p.episode() for p in plans]}
+        warmup = plan_tasks(-1, 6, 0, (0.1, 0.2), 1)
+        script = {"episodes": [p.episode() for plan in [warmup, *plans] for p in plan]}
+        run_concurrency = args.inflight * args.group_size + 8
         with service(tmp_path / "state", run_concurrency, tokenizer, script) as stack, \
                 RolloutClient(stack.url, timeout_s=120) as client:
             client.add_backend(stack.backend_url, "vllm", "scripted", tokenizer=str(tokenizer))
-            via_batch(client, [p.task("warmup") for p in informative[:2]], argparse.Namespace(
-                **{**vars(args), "target": 1, "inflight": 2}))
+            via_batch(client, [p.task("warmup") for p in warmup if p.informative],
+                      argparse.Namespace(**{**vars(args), "target": 1, "inflight": 2}))
             quiesce(stack)
-            results = {}
-            for name, run in (
-                ("batch", lambda: via_batch(client, [p.task("batch") for p in plans], args)),
-                ("oracle", lambda: via_batch(client, [p.task("oracle") for p in informative], args, "none")),
-                ("rounds", lambda: via_rounds(client, [p.task("rounds") for p in plans], args)),
-            ):
-                results[name] = run()
-                quiesce(stack)
+            runs = [run_once(client, stack, plan, args) for plan in plans]
 
-    batch_s, oracle_s, rounds_s = (results[k]["time_to_k_s"] for k in ("batch", "oracle", "rounds"))
-    summary = {
-        "bench": "dapo", "tasks": args.tasks, "informative_tasks": len(informative), "target_groups": args.target,
-        "group_size": args.group_size, "max_inflight_groups": args.inflight, "seed": args.seed,
-        "ideal_s": round(ideal_s, 3), **{f"{k}_{m}": v for k, r in results.items() for m, v in r.items()},
-        "batch_over_oracle": round(batch_s / oracle_s, 3), "rounds_over_batch": round(rounds_s / batch_s, 3),
-        "within_1_2x_of_oracle": batch_s <= 1.2 * oracle_s, "faster_than_rounds": batch_s < rounds_s,
-    }
-    print(f"{len(plans)} tasks ({len(informative)} informative), K={args.target}, groups of {args.group_size}, "
-          f"{args.inflight} groups in flight")
-    print(f"  ideal (K-th shortest informative episode, no overhead) {ideal_s:7.2f} s")
-    print(f"  oracle (only informative groups, same cap)            {oracle_s:7.2f} s")
-    print(f"  batch API (DAPO filter in the service, early cancel)  {batch_s:7.2f} s  "
-          f"= {batch_s / oracle_s:.2f}x oracle; {results['batch']['groups_started']} groups started, "
-          f"{results['batch']['cancelled_groups']} cancelled at K")
-    print(f"  rounds (trainer-side, wait for every round)           {rounds_s:7.2f} s  "
-          f"= {rounds_s / batch_s:.2f}x batch; {results['rounds']['rounds']} round(s)")
+    print(f"{args.tasks} tasks (a third each solved / never / mixed), K={args.target}, groups of "
+          f"{args.group_size}, {args.inflight} groups in flight, {args.turn_delay[0]:g}-{args.turn_delay[1]:g} s "
+          f"per turn, 1-{args.max_turns} turns")
+    print(f"{'seed':>4} {'ideal':>7} {'oracle':>7} {'batch':>7} {'rounds':>7}  batch/oracle  rounds/batch")
+    for r in runs:
+        print(f"{r['seed']:>4} {r['ideal_s']:>6.2f}s {r['oracle']['time_to_k_s']:>6.2f}s "
+              f"{r['batch']['time_to_k_s']:>6.2f}s {r['rounds']['time_to_k_s']:>6.2f}s  "
+              f"{r['batch_over_oracle']:>12.2f}  {r['rounds_over_batch']:>12.2f}")
+    median_over_oracle = statistics.median(r["batch_over_oracle"] for r in runs)
+    median_rounds_over_batch = statistics.median(r["rounds_over_batch"] for r in runs)
+    print(f"median: batch = {median_over_oracle:.2f}x oracle, rounds = {median_rounds_over_batch:.2f}x batch")
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps({
+            "bench": "dapo", "tasks": args.tasks, "target_groups": args.target, "group_size": args.group_size,
+            "max_inflight_groups": args.inflight, "turn_delay_s": list(args.turn_delay), "runs": runs,
+            "median_batch_over_oracle": median_over_oracle, "median_rounds_over_batch": median_rounds_over_batch,
+            "within_1_2x_of_oracle": median_over_oracle <= 1.2,
+            "faster_than_rounds": all(r["rounds_over_batch"] > 1 for r in runs),
+        }))
     return 0
 
 

@@ -10,9 +10,10 @@ redelivered events can never double-count or accept more than K groups.
 
 Jobs are created outside Lua (by ``JobStore.create_jobs``), so a new group is first
 *reserved* (no jobs yet), then its jobs are created and *attached* by a compare-and-set
-script, and only then enqueued. A reservation or a cancellation left behind by a crashed
-worker is picked up again by ``BatchControl.heal`` (run on every event of the batch and on
-every long-poll of its groups).
+script, and only then enqueued. What a crashed worker or a lost event leaves behind is
+repaired later: the next event of the batch fills reservations older than 30 s, and
+``BatchControl.heal`` (run by the long-poll of the batch's groups, at most every 5 s) also
+redoes stale cancellations and decides terminal members whose event never arrived.
 
 Keys, all under ``rollout:batch:<id>`` with the job TTL:
 
@@ -52,6 +53,7 @@ STALE_MEMBER_S = 10.0  # a terminal member this long without a decision lost its
 HEAL_EVERY_S = 5.0
 MAX_WAIT_S = 30.0
 POLL_S = 0.05
+WIRE_EXCLUDES = {"groups": {"__all__": {"rollouts": {"__all__": {"trajectory"}}}}}  # the SDK fills them in
 
 Enqueue = Callable[[list[str]], None]
 Cancel = Callable[[str], None]
@@ -608,7 +610,7 @@ def batches_blueprint(settings: Settings) -> Blueprint:
                and time.monotonic() < deadline):
             time.sleep(POLL_S)
         page = batches.groups_after(batch_id, cursor)
-        return reply(page.model_dump(mode="json", exclude={"groups": {"__all__": {"rollouts": {"__all__": {"trajectory"}}}}}))
+        return reply(page.model_dump(mode="json", exclude=WIRE_EXCLUDES))
 
     @blueprint.post("/v1/batches/<batch_id>/cancel")
     def cancel_batch(batch_id: str) -> Response:

@@ -234,16 +234,17 @@ def enqueue(job_ids: list[str]) -> None:
 
 
 def cancel_job(store: JobStore, job_id: str) -> JobView:
-    """Cooperative cancel: flag it, revoke queued links, and end it here if no stage holds it."""
+    """Cooperative cancel: flag it; a queued job ends here (its links revoked), a started one
+    at its next turn or stage start. Links of a started job are never revoked: a revoked
+    next stage would leave the job with no one to record its end."""
     from workers.celery_app import app as celery, stage_task_ids
 
     status = store.status(job_id)
     if status in TERMINAL_STATUSES:
         return store.view(job_id)
     store.request_cancel(job_id)
-    celery.control.revoke(stage_task_ids(job_id))
-    if status == JobStatus.queued:
-        store.finish(job_id, JobStatus.cancelled, finish_reason="cancelled")
+    if status == JobStatus.queued and store.finish(job_id, JobStatus.cancelled, finish_reason="cancelled"):
+        celery.control.revoke(stage_task_ids(job_id))
     return store.view(job_id)
 
 

@@ -24,13 +24,18 @@ ROUTES: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None
 ]
 
 
+ACCEPTED = {("post", "/v1/jobs"), ("post", "/v1/batches")}
+
+
 def spec() -> dict[str, Any]:
+    from rollout_service.batches import OPENAPI_ROUTES
+
     paths: dict[str, dict[str, Any]] = {}
     components: dict[str, Any] = {}
     error = {"description": "error", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"error": {"$ref": "#/components/schemas/ErrorInfo"}}}}}}
     components["ErrorInfo"] = schemas.ErrorInfo.model_json_schema()
-    for method, path, summary, body, response in ROUTES:
+    for method, path, summary, body, response in ROUTES + OPENAPI_ROUTES:
         op: dict[str, Any] = {"summary": summary, "responses": {"4XX": error}}
         if body is not None:
             components[body.__name__] = _schema(body, components)
@@ -40,7 +45,7 @@ def spec() -> dict[str, Any]:
         if response is not None:
             components[response.__name__] = _schema(response, components)
             ok["content"] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{response.__name__}"}}}
-        op["responses"]["202" if path == "/v1/jobs" and method == "post" else "200"] = ok
+        op["responses"]["202" if (method, path) in ACCEPTED else "200"] = ok
         params = [p.strip("{}") for p in path.split("/") if p.startswith("{")]
         if params:
             op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}

@@ -234,10 +234,6 @@ class BatchRequest(_Strict):
                 raise ValueError(f"tasks[{i}]: {exc}") from None
         return tasks
 
-    def job_request(self, task: dict[str, Any], n: int) -> JobRequest:
-        return JobRequest(task=task, n=n, sampling=self.sampling, agent=self.agent, timeouts=self.timeouts,
-                          max_policy_lag=self.max_policy_lag, metadata=self.metadata)
-
 
 class BatchCreated(BaseModel):
     batch_id: str

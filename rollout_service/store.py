@@ -112,8 +112,9 @@ class JobStore:
         ttl = self.settings.job_ttl_s
         job_ids = [new_id("job") for _ in range(request.n)]
         pipe = self.redis.pipeline(transaction=True)
-        for job_id in job_ids:
+        for index, job_id in enumerate(job_ids):
             pipe.hset(self.key(job_id), mapping={
+                "rollout_index": index,
                 "status": JobStatus.queued.value, "group_id": group_id, "batch_id": batch_id,
                 "created_at": now, "deadline_at": now + deadline_s,
                 "domain": request.task["domain"],

@@ -5,7 +5,6 @@ simulated workers (many threads, redelivered events) standing in for Celery. The
 part runs batches end to end through the real service; only the LLM is scripted."""
 from __future__ import annotations
 
-import json
 import queue
 import random
 import threading
@@ -102,7 +101,8 @@ def test_groups_with_uniform_rewards_are_dropped_and_the_batch_tops_itself_up_to
     page = sim.control.batches.groups_after(batch_id, 0)
     assert [g.task_index for g in page.groups] == [1, 3] and page.done and page.cursor == "2"
     assert all(sorted(g.rewards) == [0.0, 0.0, 1.0] for g in page.groups)
-    assert page.groups[0].reward_mean == pytest.approx(1 / 3) and page.groups[0].reward_std == pytest.approx(0.57735, 1e-4)
+    assert page.groups[0].reward_mean == pytest.approx(1 / 3)
+    assert page.groups[0].reward_std == pytest.approx(0.57735, 1e-4)
     assert all(sim.jobs.status(j) in TERMINAL_STATUSES for j in sim.batch_jobs(batch_id))
 
 
@@ -181,6 +181,17 @@ def test_a_reservation_left_by_a_crashed_worker_is_healed(sim_factory):
     sim.control.heal(batch_id)
     assert sim.queue.qsize() == 2
     sim.drain()
+    assert sim.control.batches.view(batch_id).accepted == 1
+
+
+def test_a_member_whose_event_was_lost_is_decided_by_heal(sim_factory):
+    sim = sim_factory(by_task("mixed"))
+    batch_id = sim.submit(1, group_size=2, target_groups=1, filter="nonuniform_reward")
+    first, second = sim.queue.get(), sim.queue.get()
+    sim.run_one(first)
+    sim.jobs.transition(second, JobStatus.completed, reward=0.0, finished_at=time.time() - 60)  # no event sent
+    assert sim.control.batches.view(batch_id).accepted == 0
+    sim.control.heal(batch_id)
     assert sim.control.batches.view(batch_id).accepted == 1
 
 

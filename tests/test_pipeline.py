@@ -144,3 +144,23 @@ def test_unknown_job_raises_a_typed_client_error(client):
     with pytest.raises(ApiError) as err:
         client.get("job-missing")
     assert err.value.http_status == 404
+
+
+def test_jobs_cancelled_in_any_stage_all_reach_a_terminal_state(client, scripted_backend):
+    problem = f"Cancel storm ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [
+        {"text": tool_call("ipython", code="1"), "delay_s": 0.2}] * 20}]})
+    job_ids = client.submit(math_task(problem), n=8, agent={"max_turns": 20}).job_ids
+    for number, job_id in enumerate(job_ids):
+        time.sleep(0.15 * number)
+        client.cancel(job_id)
+    views = client.wait(job_ids, timeout_s=90)
+    assert {v.status.value for v in views} <= {"cancelled", "completed"}
+    assert sum(v.status.value == "cancelled" for v in views) >= 6
+
+
+def test_rollouts_of_a_seeded_group_get_distinct_seeds(client, scripted_backend):
+    problem = f"Seeds ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    client.wait(client.submit(math_task(problem), n=3, sampling={"seed": 10}).job_ids, timeout_s=120)
+    assert sorted(call["params"]["seed"] for call in server_log(backend.url)) == [10, 11, 12]

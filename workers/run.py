@@ -30,6 +30,8 @@ def run_episode(ctx: StageContext) -> None:
     handler = get_handler(request.task["domain"])
     pool = BackendPool(store.redis)
     sampling = request.sampling.model_copy(update={"model": prepared["model"]})
+    if sampling.seed is not None:  # rollouts of a group must not replay one sample
+        sampling.seed += int(store.fields(job_id).get("rollout_index") or 0)
     tools = tuple(prepared["tools"])
 
     def stop_reason() -> Optional[FinishReason]:
