@@ -421,8 +421,8 @@ def cancel_member(jobs: JobStore, job_id: str) -> None:
     (the next stage to start, or the agent loop at its next turn, ends it ``cancelled`` and
     tears its sandbox down) and end it here at once if it is still queued.
 
-    Unlike ``gateway.cancel_job`` this revokes no Celery links: a revoked link of a job that has
-    left ``queued`` would never run, and nothing would then record the job's terminal state."""
+    Like ``gateway.cancel_job`` it revokes no link of a started job; unlike it, it ends a queued
+    job without a terminal event (the batch already accounts for the jobs it cancels)."""
     try:
         if jobs.status(job_id) in TERMINAL_STATUSES:
             return

@@ -34,3 +34,19 @@ def test_a_run_worker_killed_mid_episode_is_replaced_and_its_job_completes_once(
         assert [b.live_assignments for b in client.backends()] == [0]
         trajectory = client.trajectory(job_id)
         assert sum(t.kind == "generation" for t in trajectory.turns) == 6
+
+
+def test_a_redelivered_run_starts_from_the_workspace_init_prepared(tmp_path):
+    from rollout_service.tasks import get_handler, restore_workspace
+
+    workspace = tmp_path / "ws"
+    handler = get_handler("code")
+    task = {"domain": "code", "prompt": "def f():\n    ", "test": "def check(c):\n    assert c() == 1\n",
+            "entry_point": "f"}
+    workspace.mkdir()
+    handler.prepare(task, workspace)
+    pristine = {p.name: p.read_bytes() for p in workspace.iterdir()}
+    (workspace / "solution.py").write_text("def f():\n    return 2\n")
+    (workspace / "scratch.txt").write_text("left by the crashed attempt")
+    restore_workspace(handler, task, workspace)
+    assert {p.name: p.read_bytes() for p in workspace.iterdir()} == pristine

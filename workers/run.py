@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Optional
 
 from celery import Task
@@ -11,7 +12,7 @@ from rollout_service.backends import BackendPool
 from rollout_service.llm import PooledLLM, stale_check
 from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.schemas import FinishReason, JobStatus
-from rollout_service.tasks import get_handler
+from rollout_service.tasks import get_handler, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers.celery_app import app
@@ -55,6 +56,8 @@ def run_episode(ctx: StageContext) -> None:
                       tool_timeout_s=request.timeouts.tool_s or settings.tool_timeout_s),
         stop_reason=stop_reason,
     )
+    if ctx.attempt > 1:  # an earlier delivery died mid-episode: start from init's workspace again
+        restore_workspace(handler, request.task, Path(prepared["workspace"]))
     episode: Optional[Episode] = None
     try:
         if set(tools) - {"finish"}:

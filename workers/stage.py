@@ -37,6 +37,7 @@ class StageContext:
     store: JobStore
     settings: Settings
     deadline_at: float
+    attempt: int = 1
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
@@ -74,7 +75,7 @@ def stage(task: Task, job_id: str, name: str) -> Iterator[StageContext]:
             raise RedeliveryLimit(
                 f"{name} of job {job_id} was delivered {attempts} times without finishing "
                 f"(worker crashes?); giving up. Raise ROLLOUT_MAX_REDELIVERIES to allow more.")
-        ctx = StageContext(job_id, name, store, settings, store.deadline_at(job_id))
+        ctx = StageContext(job_id, name, store, settings, store.deadline_at(job_id), attempts)
         if ctx.remaining_s() <= 0:
             raise DeadlineExceeded(f"job deadline passed before {name} started; "
                                    "raise timeouts.job_s or add workers for this queue")

@@ -5,6 +5,7 @@ workspace), extracts the artifact after the run, and scores it in eval.
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -42,6 +43,13 @@ def require(task: dict[str, Any], name: str, kind: type | tuple[type, ...], doma
         expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise ValidationError(f"task.{name} must be a {expected}, got {type(value).__name__}")
     return value
+
+
+def restore_workspace(handler: DomainHandler, task: dict[str, Any], workspace: Path) -> None:
+    """Put ``workspace`` back as init prepared it (a redelivered run must not inherit edits)."""
+    shutil.rmtree(workspace, ignore_errors=True)
+    workspace.mkdir(parents=True)
+    handler.prepare(task, workspace)
 
 
 def _handlers() -> dict[str, DomainHandler]:
