@@ -28,11 +28,13 @@ class PooledLLM:
         self.call_timeout_s = call_timeout_s
         self.stop_reason = stop_reason
         self.max_moves = max_moves
+        self.last_backend_id: Optional[str] = None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
         backend = self.pool.acquire(self.job_id, self.sampling.model)
+        # the pool may already have moved the job (its backend failed health probes or was removed)
+        moved_from = self.last_backend_id if self.last_backend_id not in (None, backend.id) else None
         version = self._begin_call()
-        moved_from = None
         try:
             for _ in range(self.max_moves + 1):
                 client = client_for(backend.kind, backend.url, backend.model)
@@ -46,6 +48,7 @@ class PooledLLM:
                 raise NoBackendAvailable(f"job {self.job_id} lost {self.max_moves + 1} backends in one call")
         finally:
             self.pool.end_call(self.job_id)
+        self.last_backend_id = backend.id
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
                               finish_reason=gen.finish_reason, latency_s=gen.latency_s,
                               moved_from=moved_from)

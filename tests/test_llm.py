@@ -101,3 +101,16 @@ def test_metrics_export_backend_load_and_health(client, scripted_backend, servic
     text = httpx.get(f"{service.url}/metrics").text
     assert f'rollout_backend_live_assignments{{backend="{backend.id}",model="metrics"}} 0.0' in text
     assert f'rollout_backend_healthy{{backend="{backend.id}",model="metrics"}} 1.0' in text
+
+
+def test_removing_a_backend_mid_run_moves_its_jobs_and_records_the_move(client, scripted_backend):
+    problem = f"Removed ({uuid.uuid4().hex[:6]})"
+    script = slow_script(problem, turns=5, delay_s=0.2)
+    leaving, staying = scripted_backend(script, model="removal"), scripted_backend(script, model="removal")
+    job_ids = client.submit(math_task(problem), n=4, sampling={"model": "removal"}).job_ids
+    wait_for(lambda: len(server_log(leaving.url)) >= 1, what="a call on the leaving backend")
+    client.remove_backend(leaving.id)
+    views = client.wait(job_ids, timeout_s=60)
+    assert [v.status.value for v in views] == ["completed"] * 4
+    moved = [t for v in views for t in client.trajectory(v.job_id).turns if t.moved_from]
+    assert moved and all(t.moved_from == leaving.id and t.backend_id == staying.id for t in moved)
