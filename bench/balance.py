@@ -221,7 +221,7 @@ def run_rollout(plan: RolloutPlan, policy: Policy, pool: BackendPool, client: ht
     policy.start(plan.rollout_id)
     try:
         for turn in range(plan.turns):
-            while (version := pool.begin_call(plan.rollout_id)) is None:
+            while pool.begin_call(plan.rollout_id) is None:
                 pool.wait_resumed(10.0, lambda: False)
             try:
                 url = policy.url_for_call(plan.rollout_id)

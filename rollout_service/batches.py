@@ -30,6 +30,8 @@ Keys, all under ``rollout:batch:<id>`` with the job TTL:
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import statistics
 import time
@@ -417,20 +419,9 @@ class BatchStore:
 
 
 def cancel_member(jobs: JobStore, job_id: str) -> None:
-    """Cooperative cancel of one rollout the batch no longer needs: raise the job's cancel flag
-    (the next stage to start, or the agent loop at its next turn, ends it ``cancelled`` and
-    tears its sandbox down) and end it here at once if it is still queued.
-
-    Like ``gateway.cancel_job`` it revokes no link of a started job; unlike it, it ends a queued
-    job without a terminal event (the batch already accounts for the jobs it cancels)."""
-    try:
-        if jobs.status(job_id) in TERMINAL_STATUSES:
-            return
-    except NotFound:
-        return
-    jobs.request_cancel(job_id)
-    jobs.transition(job_id, JobStatus.cancelled, (JobStatus.queued,),
-                    finish_reason=FinishReason.cancelled.value, finished_at=time.time())
+    """Cancel one rollout the batch no longer needs (the batch accounts for it: no event)."""
+    with contextlib.suppress(NotFound):
+        jobs.cancel(job_id, announce=False)
 
 
 def enqueue_jobs(job_ids: list[str]) -> None:

@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import pydantic
@@ -24,7 +24,7 @@ from rollout_service.errors import (
     RolloutError, StoreUnavailable, Unauthorized, ValidationError,
 )
 from rollout_service.schemas import (
-    TERMINAL_STATUSES, BackendSpec, JobRequest, JobStatus, JobView, ResumeRequest, ScoreRequest,
+    BackendSpec, JobRequest, JobView, ResumeRequest, ScoreRequest,
 )
 from rollout_service.settings import Settings, get_settings
 from rollout_service.store import JobStore, new_id, redis_client
@@ -239,11 +239,7 @@ def cancel_job(store: JobStore, job_id: str) -> JobView:
     next stage would leave the job with no one to record its end."""
     from workers.celery_app import app as celery, stage_task_ids
 
-    status = store.status(job_id)
-    if status in TERMINAL_STATUSES:
-        return store.view(job_id)
-    store.request_cancel(job_id)
-    if status == JobStatus.queued and store.finish(job_id, JobStatus.cancelled, finish_reason="cancelled"):
+    if store.cancel(job_id):
         celery.control.revoke(stage_task_ids(job_id))
     return store.view(job_id)
 

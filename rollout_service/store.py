@@ -219,12 +219,13 @@ class JobStore:
         return result == 1
 
     def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,
-               **fields: Any) -> bool:
+               allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
         if error is not None:
             info = error if isinstance(error, ErrorInfo) else ErrorInfo(
                 code=getattr(error, "code", "internal_error"), message=str(error) or type(error).__name__)
             fields.update(error_code=info.code, error_message=info.message)
-        ended = self.transition(job_id, status, finished_at=time.time(), **fields)
+        fields.setdefault("finished_at", time.time())
+        ended = self.transition(job_id, status, allowed_from, **fields)
         if ended and self.redis.hget(self.key(job_id), "batch_id"):
             from workers.celery_app import app
 
@@ -239,6 +240,18 @@ class JobStore:
 
     def request_cancel(self, job_id: str) -> None:
         self.set_fields(job_id, cancel_requested="1")
+
+    def cancel(self, job_id: str, announce: bool = True) -> bool:
+        """Cooperative cancel: raise the job's flag (its next turn or stage start ends it) and end
+        it here if it is still queued; True if it ended here. ``announce=False`` ends it without
+        the batch event (for a batch cancelling its own jobs)."""
+        if self.status(job_id) in TERMINAL_STATUSES:
+            return False
+        self.request_cancel(job_id)
+        fields = {"finish_reason": "cancelled", "finished_at": time.time()}
+        if announce:
+            return self.finish(job_id, JobStatus.cancelled, allowed_from=(JobStatus.queued,), **fields)
+        return self.transition(job_id, JobStatus.cancelled, (JobStatus.queued,), **fields)
 
     def cancel_requested(self, job_id: str) -> bool:
         return self._call(self.redis.hget, self.key(job_id), "cancel_requested") == b"1"

@@ -1,7 +1,6 @@
 """Shared fixtures: a real redis-server per test session, flushed between tests."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import pytest

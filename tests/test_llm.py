@@ -7,7 +7,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-import pytest
 
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
