@@ -5,6 +5,7 @@ episode with a finish reason; an infrastructure error raises (the job's status).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -28,6 +29,7 @@ class Limits:
     max_new_tokens: int
     max_model_len: Optional[int]
     tool_timeout_s: float
+    deadline_at: float = math.inf  # time.time() by which the episode must end
 
 
 @dataclass
@@ -106,7 +108,8 @@ class Agent:
     def _act(self, call: ToolCall) -> str:
         if call.name not in self.tools or self.executor is None:
             return f"Error: unknown tool {call.name!r}. Available tools: {', '.join(self.tools)}."
-        result = self.executor.execute(call.name, call.arguments, self.limits.tool_timeout_s)
+        timeout_s = min(self.limits.tool_timeout_s, max(self.limits.deadline_at - time.time(), 0.1))
+        result = self.executor.execute(call.name, call.arguments, timeout_s)
         return format_observation(result)
 
     def _end(self, reason: FinishReason, answer: Optional[str] = None, final_text: str = "") -> Episode:

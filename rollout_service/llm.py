@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import functools
+import math
+import time
 from typing import Callable, Optional
 
 from rollout_service.agent import EpisodeInterrupted
 from rollout_service.backends import BackendPool
-from rollout_service.errors import BackendError, BackendUnreachable, NoBackendAvailable
+from rollout_service.errors import BackendError, BackendTimeout, BackendUnreachable, NoBackendAvailable
 from rollout_service.inference import InferenceClient, make_client
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.trajectory import TrajectoryBuilder
@@ -21,11 +23,13 @@ class PooledLLM:
     """Generates for one job: acquires its sticky backend, waits out pauses, moves off dead backends."""
 
     def __init__(self, pool: BackendPool, job_id: str, sampling: Sampling, call_timeout_s: float,
-                 stop_reason: Callable[[], Optional[FinishReason]], max_moves: int = 3) -> None:
+                 stop_reason: Callable[[], Optional[FinishReason]], deadline_at: float = math.inf,
+                 max_moves: int = 3) -> None:
         self.pool = pool
         self.job_id = job_id
         self.sampling = sampling
         self.call_timeout_s = call_timeout_s
+        self.deadline_at = deadline_at
         self.stop_reason = stop_reason
         self.max_moves = max_moves
         self.last_backend_id: Optional[str] = None
@@ -38,9 +42,17 @@ class PooledLLM:
         try:
             for _ in range(self.max_moves + 1):
                 client = client_for(backend.kind, backend.url, backend.model)
+                remaining_s = self.deadline_at - time.time()
+                if remaining_s <= 0:
+                    raise EpisodeInterrupted(FinishReason.deadline)
                 try:
-                    gen = client.generate(prompt_ids, self.sampling, max_new_tokens, self.call_timeout_s)
+                    gen = client.generate(prompt_ids, self.sampling, max_new_tokens,
+                                          min(self.call_timeout_s, remaining_s))
                     break
+                except BackendTimeout:
+                    if time.time() >= self.deadline_at:  # cut by the job's deadline, not a slow server
+                        raise EpisodeInterrupted(FinishReason.deadline) from None
+                    raise
                 except BackendUnreachable as exc:
                     moved_from = moved_from or backend.id
                     backend = self._move(backend, exc)

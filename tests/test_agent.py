@@ -112,3 +112,20 @@ def test_a_real_model_trajectory_carries_the_models_own_logprobs(client, service
         position = offset + i
         expected = logprobs[position - 1, trajectory.response_ids[i]].item()
         assert trajectory.logprobs[i] == pytest.approx(expected, abs=1e-4)
+
+
+def test_the_job_deadline_cuts_a_slow_llm_call_and_the_job_ends_timed_out_with_its_turns(client, scripted_backend):
+    import time
+
+    from tests.test_pipeline import tool_call as call
+
+    problem = f"Deadline ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [
+        call("ipython", code="1"), {"text": call("ipython", code="2"), "delay_s": 30}]}]})
+    started = time.monotonic()
+    job_id, = client.submit(math_task(problem), timeouts={"job_s": 6}).job_ids
+    view, = client.wait([job_id], timeout_s=60)
+    assert time.monotonic() - started < 15
+    assert view.status.value == "timed_out" and view.finish_reason.value == "deadline"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.truncated and [t.kind for t in trajectory.turns] == ["generation", "observation"]

@@ -44,8 +44,8 @@ def run_episode(ctx: StageContext) -> None:
             return FinishReason.stale
         return None
 
-    llm = PooledLLM(pool, job_id, sampling, min(request.timeouts.llm_call_s or settings.llm_call_timeout_s,
-                                                 max(ctx.remaining_s(), 0.001)), stop_reason)
+    llm = PooledLLM(pool, job_id, sampling, request.timeouts.llm_call_s or settings.llm_call_timeout_s,
+                    stop_reason, deadline_at=ctx.deadline_at)
     sandbox = None
     agent = Agent(
         llm=llm, renderer=renderer_for(prepared["tokenizer"]),
@@ -53,7 +53,8 @@ def run_episode(ctx: StageContext) -> None:
         limits=Limits(max_turns=request.agent.max_turns or settings.max_turns,
                       max_new_tokens=sampling.max_new_tokens or settings.max_new_tokens,
                       max_model_len=sampling.max_model_len,
-                      tool_timeout_s=request.timeouts.tool_s or settings.tool_timeout_s),
+                      tool_timeout_s=request.timeouts.tool_s or settings.tool_timeout_s,
+                      deadline_at=ctx.deadline_at),
         stop_reason=stop_reason,
     )
     if ctx.attempt > 1:  # an earlier delivery died mid-episode: start from init's workspace again
@@ -69,15 +70,15 @@ def run_episode(ctx: StageContext) -> None:
             sandbox.start()
             agent.executor = sandbox
         episode = agent.run(prepared["prompt_ids"], prepared["messages"])
+        store.put_trajectory(job_id, episode.trajectory)
         artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
     finally:
-        if episode is None and hasattr(agent, "history"):
+        if episode is None and hasattr(agent, "history"):  # an infrastructure error: keep what we have
             store.put_trajectory(job_id, agent.history.build(FinishReason.error))
         if sandbox is not None:
             sandbox.stop()
         llm.release()
     trajectory = episode.trajectory
-    store.put_trajectory(job_id, trajectory)
     store.put_blob(job_id, "artifact", artifact)
     last_backend = next((t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None)
     store.set_fields(job_id, finish_reason=trajectory.finish_reason.value, backend_id=last_backend,
