@@ -116,3 +116,8 @@ class ApiError(RolloutError):
         super().__init__(f"HTTP {http_status} {code}: {message}")
         self.http_status = http_status
         self.code = code
+
+
+class ScoringTimeout(RolloutError):
+    http_status = 504
+    code = "score_timeout"

@@ -21,7 +21,7 @@ from rollout_service import metrics
 from rollout_service.backends import BackendPool
 from rollout_service.batches import batches_blueprint
 from rollout_service.errors import (
-    RolloutError, StoreUnavailable, Unauthorized, ValidationError,
+    RolloutError, ScoringTimeout, StoreUnavailable, Unauthorized, ValidationError,
 )
 from rollout_service.schemas import (
     BackendSpec, JobRequest, JobView, ResumeRequest, ScoreRequest,
@@ -146,8 +146,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         timeout_s = settings.eval_timeout_s + 30
         answer = store().redis.blpop([JobStore.key(score_id, "score-result")], timeout=timeout_s)
         if answer is None:
-            raise RolloutError(f"scoring did not finish within {timeout_s:.0f} s: are eval workers running? "
-                               "(rollout-service worker eval)")
+            raise ScoringTimeout(f"scoring did not finish within {timeout_s:.0f} s: are eval workers running "
+                                 "(rollout-service worker eval), or is ROLLOUT_EVAL_TIMEOUT_S too low?")
         result = json.loads(answer[1])
         if "error" in result:
             return reply(result, 400 if result["error"]["code"] in ("invalid_request", "task_error") else 500)
