@@ -35,6 +35,7 @@ class Service:
     state_dir: Path
     supervisor: Supervisor
     env: dict[str, str]
+    redis_server: RedisServer
 
     def client(self, token: str | None = None) -> RolloutClient:
         return RolloutClient(self.url, token=token, timeout_s=120)
@@ -55,17 +56,17 @@ def running_service(state: Path, **settings_env: str) -> Iterator[Service]:
            "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_PORT": str(port)}
     env.pop("ROLLOUT_API_TOKEN", None)
     settings = Settings.from_env(env)
-    supervisor = Supervisor(state / "logs", env)
+    running = Service(f"http://127.0.0.1:{port}", redis_server.url, state, Supervisor(state / "logs", env),
+                      env, redis_server)
     try:
-        supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"))
+        running.supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"))
         for queue in WORKER_POOLS:
-            supervisor.start(f"worker-{queue}", worker_command(settings, queue))
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/readyz", supervisor, 90)
-        yield Service(url, redis_server.url, state, supervisor, env)
+            running.supervisor.start(f"worker-{queue}", worker_command(settings, queue))
+        wait_http(f"{running.url}/readyz", running.supervisor, 90)
+        yield running
     finally:
-        supervisor.stop()
-        redis_server.stop()
+        running.supervisor.stop()
+        running.redis_server.stop()  # a test may have restarted it
 
 
 @pytest.fixture(scope="session")

@@ -50,3 +50,36 @@ def test_a_redelivered_run_starts_from_the_workspace_init_prepared(tmp_path):
     (workspace / "scratch.txt").write_text("left by the crashed attempt")
     restore_workspace(handler, task, workspace)
     assert {p.name: p.read_bytes() for p in workspace.iterdir()} == pristine
+
+
+def test_a_redis_restart_loses_no_queued_job_and_the_gateway_answers_503_meanwhile(
+        tmp_path, scripted_server, tiny_tokenizer_dir):
+    import httpx
+
+    from rollout_service.redis_server import RedisServer
+
+    problem = f"Redis restart ({uuid.uuid4().hex[:6]})"
+    url = scripted_server({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    with running_service(tmp_path / "svc") as service, service.client() as client:
+        client.add_backend(url, "vllm", "steady", tokenizer=str(tiny_tokenizer_dir))
+        for queue in ("init", "run", "eval"):  # nobody consumes: the jobs wait in Redis
+            worker = next(c for c in service.supervisor.children if c.name == f"worker-{queue}")
+            os.killpg(worker.process.pid, signal.SIGTERM)
+            worker.process.wait()
+            service.supervisor.children.remove(worker)
+        queued = client.submit(math_task(problem), n=3).job_ids
+
+        port = service.redis_server.port
+        service.redis_server.stop()
+        down = httpx.post(f"{service.url}/v1/jobs", json={"task": math_task(problem)})
+        assert down.status_code == 503 and "Redis" in down.json()["error"]["message"]
+        assert httpx.get(f"{service.url}/readyz").status_code == 503
+
+        service.redis_server = RedisServer(service.redis_server.data_dir, port=port).start()
+        settings = Settings.from_env(service.env)
+        for queue in ("init", "run", "eval"):
+            service.supervisor.start(f"worker-{queue}-again", worker_command(settings, queue))
+        wait_for(lambda: httpx.get(f"{service.url}/readyz").status_code == 200, what="readiness")
+        after = client.submit(math_task(problem)).job_ids
+        views = client.wait(queued + after, timeout_s=90)
+        assert [v.status.value for v in views] == ["completed"] * 4
