@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -45,11 +44,10 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service.cli import WORKER_POOLS, Supervisor, gateway_command, wait_http, worker_command  # noqa: E402
 from rollout_service.client import RolloutClient  # noqa: E402
-from rollout_service.redis_server import RedisServer, free_port  # noqa: E402
+from rollout_service.local_service import local_service  # noqa: E402
+from rollout_service.redis_server import free_port  # noqa: E402
 from rollout_service.reference_server import ReferenceServerProcess  # noqa: E402
-from rollout_service.settings import Settings  # noqa: E402
 from rollout_service.tiny_model import build_tiny_tokenizer  # noqa: E402
 
 KINDS = ("solved", "never", "mixed")
@@ -115,29 +113,18 @@ class Stack:
 
 @contextlib.contextmanager
 def service(state: Path, run_concurrency: int, tokenizer: Path, script: dict[str, Any]) -> Iterator[Stack]:
-    redis_server = RedisServer(state / "redis", appendonly=False).start()
-    port = free_port()
-    env = {**os.environ, "ROLLOUT_REDIS_URL": redis_server.url, "ROLLOUT_STATE_DIR": str(state),
-           "ROLLOUT_PORT": str(port), "ROLLOUT_RUN_CONCURRENCY": str(run_concurrency),
-           "ROLLOUT_INIT_CONCURRENCY": "8", "ROLLOUT_EVAL_CONCURRENCY": "2", "ROLLOUT_GATEWAY_WORKERS": "2"}
-    env.pop("ROLLOUT_API_TOKEN", None)
-    settings = Settings.from_env(env)
-    supervisor = Supervisor(state / "logs", env)
+    (state / "logs").mkdir(parents=True, exist_ok=True)
     (state / "script.json").write_text(json.dumps(script))
     backend = ReferenceServerProcess(["--script", str(state / "script.json"), "--tokenizer", str(tokenizer)],
                                      port=free_port(), log_path=state / "logs" / "scripted.log")
     try:
         backend.start()
-        supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"))
-        for queue in WORKER_POOLS:
-            supervisor.start(f"worker-{queue}", worker_command(settings, queue))
-        url = f"http://127.0.0.1:{port}"
-        wait_http(f"{url}/readyz", supervisor, 90)
-        yield Stack(url, redis.Redis.from_url(redis_server.url), backend.url)
+        with local_service(state, appendonly=False, ROLLOUT_RUN_CONCURRENCY=str(run_concurrency),
+                           ROLLOUT_INIT_CONCURRENCY="8", ROLLOUT_EVAL_CONCURRENCY="2",
+                           ROLLOUT_GATEWAY_WORKERS="2") as running:
+            yield Stack(running.url, running.redis(), backend.url)
     finally:
-        supervisor.stop()
         backend.stop()
-        redis_server.stop()
 
 
 def quiesce(stack: Stack, timeout_s: float = 60) -> None:

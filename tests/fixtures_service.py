@@ -3,20 +3,15 @@ and one real Celery worker per queue, each a separate process, as `rollout-servi
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-import redis
 
-from rollout_service.cli import WORKER_POOLS, Supervisor, gateway_command, wait_http, worker_command
 from rollout_service.client import RolloutClient
 from rollout_service.errors import ApiError
-from rollout_service.redis_server import RedisServer, free_port
+from rollout_service.local_service import LocalService, local_service
 from rollout_service.schemas import BackendView
-from rollout_service.settings import Settings
 
 SERVICE_SETTINGS = {
     "ROLLOUT_GATEWAY_WORKERS": "2",
@@ -28,45 +23,11 @@ SERVICE_SETTINGS = {
 }
 
 
-@dataclass
-class Service:
-    url: str
-    redis_url: str
-    state_dir: Path
-    supervisor: Supervisor
-    env: dict[str, str]
-    redis_server: RedisServer
-
-    def client(self, token: str | None = None) -> RolloutClient:
-        return RolloutClient(self.url, token=token, timeout_s=120)
-
-    def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url)
-
-    def log(self, name: str) -> str:
-        return (self.supervisor.log_dir / f"{name}.log").read_text(errors="replace")
+Service = LocalService
 
 
-@contextlib.contextmanager
-def running_service(state: Path, **settings_env: str) -> Iterator[Service]:
-    """A whole service under ``state``; ``settings_env`` overrides ROLLOUT_* settings."""
-    redis_server = RedisServer(state / "redis").start()
-    port = free_port()
-    env = {**os.environ, **SERVICE_SETTINGS, **settings_env, "ROLLOUT_REDIS_URL": redis_server.url,
-           "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_PORT": str(port)}
-    env.pop("ROLLOUT_API_TOKEN", None)
-    settings = Settings.from_env(env)
-    running = Service(f"http://127.0.0.1:{port}", redis_server.url, state, Supervisor(state / "logs", env),
-                      env, redis_server)
-    try:
-        running.supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"))
-        for queue in WORKER_POOLS:
-            running.supervisor.start(f"worker-{queue}", worker_command(settings, queue))
-        wait_http(f"{running.url}/readyz", running.supervisor, 90)
-        yield running
-    finally:
-        running.supervisor.stop()
-        running.redis_server.stop()  # a test may have restarted it
+def running_service(state: Path, **settings_env: str) -> contextlib.AbstractContextManager[Service]:
+    return local_service(state, **{**SERVICE_SETTINGS, **settings_env})
 
 
 @pytest.fixture(scope="session")
