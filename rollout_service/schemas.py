@@ -107,6 +107,7 @@ class Timings(BaseModel):
     init_s: Optional[float] = None
     run_s: Optional[float] = None
     eval_s: Optional[float] = None
+    sandbox_boot_s: Optional[float] = Field(None, description="part of run_s: booting the sandbox")
 
 
 class JobView(BaseModel):

@@ -174,6 +174,7 @@ class JobStore:
             init_s=_span(t["init_start"], t["init_end"]),
             run_s=_span(t["run_start"], t["run_end"]),
             eval_s=_span(t["eval_start"], t["eval_end"]),
+            sandbox_boot_s=_float(f.get("sandbox_boot_s")),
         )
         error = ErrorInfo(code=f["error_code"], message=f.get("error_message", "")) \
             if f.get("error_code") else None

@@ -68,6 +68,7 @@ def run_episode(ctx: StageContext) -> None:
                 max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60),
                 store.redis)
             sandbox.start()
+            store.set_fields(job_id, sandbox_boot_s=sandbox.boot_s)
             agent.executor = sandbox
         episode = agent.run(prepared["prompt_ids"], prepared["messages"])
         store.put_trajectory(job_id, episode.trajectory)
