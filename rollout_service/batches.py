@@ -563,7 +563,7 @@ OPENAPI_ROUTES = [
 
 def batches_blueprint(settings: Settings) -> Blueprint:
     """``/v1/batches`` routes; error handling and auth come from the app that registers it."""
-    from rollout_service.gateway import body, reply
+    from rollout_service.gateway import body, reply, seconds_arg
 
     blueprint = Blueprint("batches", __name__)
 
@@ -592,7 +592,7 @@ def batches_blueprint(settings: Settings) -> Blueprint:
     @blueprint.get("/v1/batches/<batch_id>/groups")
     def batch_groups(batch_id: str) -> Response:
         cursor = _int_arg("after", 0)
-        wait_s = min(_float_arg("wait", 0.0), MAX_WAIT_S)
+        wait_s = min(seconds_arg("wait", 0.0), MAX_WAIT_S)
         batches = control().batches
         batches.status(batch_id)
         control().heal(batch_id)
@@ -617,16 +617,3 @@ def _int_arg(name: str, default: int) -> int:
     if not raw.isdigit():
         raise ValidationError(f"{name}={raw!r} must be a non-negative integer (the cursor of the last page)")
     return int(raw)
-
-
-def _float_arg(name: str, default: float) -> float:
-    raw = request.args.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValidationError(f"{name}={raw!r} must be a number of seconds") from None
-    if value < 0:
-        raise ValidationError(f"{name}={raw!r} must be >= 0 seconds")
-    return value

@@ -172,9 +172,9 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.post("/v1/backends/pause")
     def pause() -> Response:
+        wait_s = seconds_arg("wait", 0.0)
         p = pool()
         p.pause()
-        wait_s = float(request.args.get("wait", 0) or 0)
         deadline = time.monotonic() + wait_s
         while p.inflight_calls() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -218,6 +218,20 @@ def body(default: Any = None) -> Any:
     if not isinstance(data, dict):
         raise ValidationError(f"body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def seconds_arg(name: str, default: float) -> float:
+    """A query parameter holding seconds (``?wait=2.5``), or a 400 that says what is wrong."""
+    raw = request.args.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValidationError(f"{name}={raw!r} must be a number of seconds") from None
+    if value < 0:
+        raise ValidationError(f"{name}={raw!r} must be >= 0 seconds")
+    return value
 
 
 def reply(doc: Any, status: int = 200) -> Response:

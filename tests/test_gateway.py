@@ -79,3 +79,9 @@ def test_a_json_body_sent_without_content_type_is_accepted_like_curl_d_sends_it(
                           headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert response.status_code == 400
     assert "task.problem" in response.json()["error"]["message"]
+
+
+def test_a_query_parameter_that_is_not_seconds_is_a_400(service):
+    response = httpx.post(f"{service.url}/v1/backends/pause?wait=soon")
+    assert response.status_code == 400 and "wait='soon'" in response.json()["error"]["message"]
+    assert httpx.get(f"{service.url}/v1/backends").json()["paused"] is False
