@@ -85,3 +85,25 @@ def test_a_query_parameter_that_is_not_seconds_is_a_400(service):
     response = httpx.post(f"{service.url}/v1/backends/pause?wait=soon")
     assert response.status_code == 400 and "wait='soon'" in response.json()["error"]["message"]
     assert httpx.get(f"{service.url}/v1/backends").json()["paused"] is False
+
+
+JUNK_BODIES = [b"", b"null", b"[]", b"42", b'"text"', b"{}", b'{"task": null}', b'{"task": []}',
+               b'{"task": {"domain": 7}}', b'{"tasks": "x", "group_size": -1}', b'{"url": 5, "kind": null}',
+               b'{"task": {"domain": "math", "problem": "p", "answer": "1"}, "n": 1e300}',
+               b'{"task": {"domain": "code"}, "submission": []}', b"\xff\xfe", b'{"policy_version": "new"}']
+POST_ROUTES = ["/v1/jobs", "/v1/score", "/v1/batches", "/v1/backends", "/v1/backends/resume",
+               "/v1/jobs/job-nope/cancel", "/v1/batches/batch-nope/cancel"]
+
+
+def test_no_route_answers_malformed_input_with_a_500(service):
+    for route in POST_ROUTES:
+        for junk in JUNK_BODIES:
+            if route == "/v1/backends/resume" and junk in (b"", b"{}"):
+                continue  # a resume without a version is valid: it bumps the version
+            response = httpx.post(f"{service.url}{route}", content=junk, headers={"Content-Type": "application/json"})
+            assert 400 <= response.status_code < 500, (route, junk, response.status_code, response.text[:300])
+            assert response.json()["error"]["message"]
+    for route in ["/v1/jobs/%00", "/v1/jobs/x/trajectory", "/v1/batches/x", "/v1/batches/x/groups?after=-1",
+                  "/v1/batches/x/groups?wait=nan"]:
+        response = httpx.get(f"{service.url}{route}")
+        assert 400 <= response.status_code < 500, (route, response.status_code, response.text[:300])
