@@ -109,20 +109,8 @@ class Agent:
         if call.name not in self.tools or self.executor is None:
             return f"Error: unknown tool {call.name!r}. Available tools: {', '.join(self.tools)}."
         timeout_s = min(self.limits.tool_timeout_s, max(self.limits.deadline_at - time.time(), 0.1))
-        result = self.executor.execute(call.name, call.arguments, timeout_s)
-        return format_observation(result)
+        # a tool's output already carries what the model must see (errors, exit code, timeout notice)
+        return self.executor.execute(call.name, call.arguments, timeout_s)["output"] or "[no output]"
 
     def _end(self, reason: FinishReason, answer: Optional[str] = None, final_text: str = "") -> Episode:
         return Episode(self.history.build(reason), answer, final_text)
-
-
-def format_observation(result: dict[str, Any]) -> str:
-    parts = [result.get("output") or ""]
-    if result.get("error"):
-        parts.append(f"Error: {result['error']}")
-    if result.get("timed_out"):
-        parts.append("[command timed out and was interrupted]")
-    if result.get("exit_code") not in (None, 0):
-        parts.append(f"[exit code {result['exit_code']}]")
-    return "\n".join(p for p in parts if p) or "[no output]"
-
