@@ -29,6 +29,7 @@ import redis
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView
 from rollout_service.settings import get_settings
+from rollout_service.store import as_text
 
 FAILURES_TO_UNHEALTHY = 2
 PROBE_THREADS = 32
@@ -239,10 +240,6 @@ def backend_id_for(url: str) -> str:
     return "be-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class BackendPool:
     """Registry + live-load heap of inference servers, shared by all processes through Redis."""
 
@@ -286,12 +283,12 @@ class BackendPool:
         return sorted(self._read_views([]), key=lambda view: (view.model, view.url))
 
     def models(self) -> list[str]:
-        return sorted(_text(model) for model in self.redis.smembers(self._key("models")))
+        return sorted(as_text(model) for model in self.redis.smembers(self._key("models")))
 
     def backend_of(self, job_id: str) -> str | None:
         """The job's sticky backend id, if it holds one."""
         value = self.redis.get(self._key("job", job_id))
-        return None if value is None else _text(value)
+        return None if value is None else as_text(value)
 
     # assignment
 
@@ -301,10 +298,10 @@ class BackendPool:
         model, or the model of the job's previous backend). Cheap enough to call before every
         LLM call, which is how a job follows a removal or a failed health probe."""
         reply = self._acquire(args=[self.prefix, job_id, model or ""])
-        status = _text(reply[0])
+        status = as_text(reply[0])
         if status == "ok":
             return _view(reply[1], reply[2])
-        rest = [_text(part) for part in reply[1:]]
+        rest = [as_text(part) for part in reply[1:]]
         if status == "no_models":
             raise NoBackendAvailable(
                 "no inference backend is registered; register one with POST /v1/backends "
@@ -438,11 +435,11 @@ class BackendPool:
 
 
 def _view(row: list[Any], version: Any) -> BackendView:
-    id_, url, kind, model, tokenizer, healthy, total, live = (_text(v) for v in row)
+    id_, url, kind, model, tokenizer, healthy, total, live = (as_text(v) for v in row)
     return BackendView(
         id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer, healthy=healthy == "1",
         live_assignments=int(float(live)), total_assignments=int(total),
-        policy_version=int(_text(version)),
+        policy_version=int(as_text(version)),
     )
 
 

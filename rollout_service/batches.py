@@ -47,7 +47,7 @@ from rollout_service.schemas import (
     FinishReason, GroupRollout, JobRequest, JobStatus,
 )
 from rollout_service.settings import Settings
-from rollout_service.store import PREFIX, JobStore, new_id, redis_client
+from rollout_service.store import PREFIX, JobStore, as_text, new_id, redis_client
 
 STALE_RESERVATION_S = 30.0  # a reservation this old lost its creator: heal re-creates its jobs
 STALE_CANCEL_S = 10.0
@@ -256,10 +256,6 @@ def batch_key(batch_id: str) -> str:
     return f"{PREFIX}:batch:{batch_id}"
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class BatchStore:
     """Batch state in Redis. Every mutation is one of the Lua scripts above."""
 
@@ -298,14 +294,14 @@ class BatchStore:
         for part in ("", "tasks", "job"):
             pipe.expire(self._key(batch_id, part), self.ttl_s)
         pipe.execute()
-        return batch_id, [_text(r) for r in self._start(args=self._args(batch_id))]
+        return batch_id, [as_text(r) for r in self._start(args=self._args(batch_id))]
 
     def member_done(self, batch_id: str, group_id: str, job_id: str, status: str, reward: str,
                     finish_reason: str) -> Decision:
         kind, batch_status, cancel, reserved = self._member_done(
             args=self._args(batch_id, group_id, job_id, status, reward, finish_reason))
-        return Decision(_text(kind), _text(batch_status), [_text(j) for j in cancel],
-                        [_text(r) for r in reserved])
+        return Decision(as_text(kind), as_text(batch_status), [as_text(j) for j in cancel],
+                        [as_text(r) for r in reserved])
 
     def attach(self, batch_id: str, group_id: str, slot: Optional[int], job_ids: list[str]) -> bool:
         """Give a reservation its jobs, unless the batch or group moved on (then: False)."""
@@ -315,7 +311,7 @@ class BatchStore:
         status, jobs = self._cancel(args=self._args(batch_id))
         if not status:
             raise self._missing(batch_id)
-        return [_text(j) for j in jobs]
+        return [as_text(j) for j in jobs]
 
     def forget_cancelled(self, batch_id: str, job_ids: list[str]) -> None:
         if job_ids:
@@ -326,13 +322,13 @@ class BatchStore:
         raw = self.redis.hgetall(self._key(batch_id))
         if not raw:
             raise self._missing(batch_id)
-        return {_text(k): _text(v) for k, v in raw.items()}
+        return {as_text(k): as_text(v) for k, v in raw.items()}
 
     def status(self, batch_id: str) -> BatchStatus:
         value = self.redis.hget(self._key(batch_id), "status")
         if value is None:
             raise self._missing(batch_id)
-        return BatchStatus(_text(value))
+        return BatchStatus(as_text(value))
 
     def job_fields(self, batch_id: str) -> dict[str, Any]:
         return json.loads(self.redis.get(self._key(batch_id, "job")) or "{}")
@@ -341,21 +337,21 @@ class BatchStore:
         return json.loads(self.redis.lindex(self._key(batch_id, "tasks"), index))
 
     def group(self, batch_id: str, group_id: str) -> dict[str, str]:
-        return {_text(k): _text(v) for k, v in self.redis.hgetall(self._key(batch_id, f"group:{group_id}")).items()}
+        return {as_text(k): as_text(v) for k, v in self.redis.hgetall(self._key(batch_id, f"group:{group_id}")).items()}
 
     def group_ids(self, batch_id: str) -> list[str]:
-        return [_text(gid) for gid in self.redis.lrange(self._key(batch_id, "groups"), 0, -1)]
+        return [as_text(gid) for gid in self.redis.lrange(self._key(batch_id, "groups"), 0, -1)]
 
     def pending(self, batch_id: str, older_than_s: float = 0.0) -> list[str]:
-        return [_text(e) for e in self.redis.zrangebyscore(
+        return [as_text(e) for e in self.redis.zrangebyscore(
             self._key(batch_id, "pending"), "-inf", time.time() - older_than_s)]
 
     def to_cancel(self, batch_id: str, older_than_s: float = 0.0) -> list[str]:
-        return [_text(j) for j in self.redis.zrangebyscore(
+        return [as_text(j) for j in self.redis.zrangebyscore(
             self._key(batch_id, "to_cancel"), "-inf", time.time() - older_than_s)]
 
     def in_flight_groups(self, batch_id: str) -> list[str]:
-        return [_text(gid) for gid in self.redis.smembers(self._key(batch_id, "inflight"))]
+        return [as_text(gid) for gid in self.redis.smembers(self._key(batch_id, "inflight"))]
 
     def view(self, batch_id: str) -> BatchView:
         f = self.fields(batch_id)
@@ -381,7 +377,7 @@ class BatchStore:
 
     def groups_after(self, batch_id: str, cursor: int) -> BatchGroupsPage:
         status = self.status(batch_id)  # read first: "over" then means every group is in the list
-        accepted = [_text(gid) for gid in self.redis.lrange(self._key(batch_id, "accepted"), cursor, -1)]
+        accepted = [as_text(gid) for gid in self.redis.lrange(self._key(batch_id, "accepted"), cursor, -1)]
         groups = [self._accepted_group(batch_id, gid, grp)
                   for gid, grp in zip(accepted, self._groups(batch_id, accepted))]
         f = self.fields(batch_id)
@@ -396,7 +392,7 @@ class BatchStore:
         pipe = self.redis.pipeline(transaction=False)
         for gid in group_ids:
             pipe.hgetall(self._key(batch_id, f"group:{gid}"))
-        return [{_text(k): _text(v) for k, v in raw.items()} for raw in pipe.execute()]
+        return [{as_text(k): as_text(v) for k, v in raw.items()} for raw in pipe.execute()]
 
     def _accepted_group(self, batch_id: str, group_id: str, grp: dict[str, str]) -> BatchGroup:
         rollouts = []
@@ -523,7 +519,7 @@ class BatchControl:
                 if f"result:{job_id}" in grp:
                     continue
                 fields = self.jobs.redis.hmget(JobStore.key(job_id), "status", "finished_at")
-                status, finished_at = (_text(v) if v is not None else "" for v in fields)
+                status, finished_at = (as_text(v) if v is not None else "" for v in fields)
                 if status in {s.value for s in TERMINAL_STATUSES} and finished_at and \
                         time.time() - float(finished_at) > STALE_MEMBER_S:
                     undecided.append(job_id)

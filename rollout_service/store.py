@@ -85,6 +85,11 @@ def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def as_text(value: Any) -> str:
+    """A Redis reply (bytes) or a plain value as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _float(value: Optional[str]) -> Optional[float]:
     return float(value) if value else None
 

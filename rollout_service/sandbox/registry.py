@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from rollout_service.sandbox.base import kill_tree, process_start_ticks
+from rollout_service.store import as_text
 
 PREFIX = "rollout:sandbox"
 EXPIRY_KEY = f"{PREFIX}:expiry"
@@ -48,7 +49,7 @@ def unregister(redis_client: Any, sandbox_id: str) -> None:
 
 def registered(redis_client: Any, sandbox_id: str) -> dict[str, str]:
     raw = redis_client.hgetall(sandbox_key(sandbox_id))
-    return {_text(k): _text(v) for k, v in raw.items()}
+    return {as_text(k): as_text(v) for k, v in raw.items()}
 
 
 def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
@@ -58,7 +59,7 @@ def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
     here = socket.gethostname()
     reaped = []
     for raw_id in redis_client.zrangebyscore(EXPIRY_KEY, "-inf", time.time()):
-        sandbox_id = _text(raw_id)
+        sandbox_id = as_text(raw_id)
         record = registered(redis_client, sandbox_id)
         if not record:
             redis_client.zrem(EXPIRY_KEY, sandbox_id)
@@ -74,7 +75,3 @@ def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
         unregister(redis_client, sandbox_id)
         reaped.append(sandbox_id)
     return reaped
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
