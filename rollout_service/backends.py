@@ -28,7 +28,6 @@ import redis
 
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView
-from rollout_service.settings import get_settings
 from rollout_service.store import as_text
 
 FAILURES_TO_UNHEALTHY = 2
@@ -84,49 +83,61 @@ redis.call('SREM', key('ids'), id)
 return 1
 """
 
-# Returns {'ok', view row, version} or an error tuple the client turns into an exception.
-_ACQUIRE = _LUA_KEYS + """
-local job, model = ARGV[2], ARGV[3]
-local job_key = key('job', job)
-local current = redis.call('GET', job_key)
-local current_model = false
-if current then
-  local cur = redis.call('HMGET', key('info', current), 'model', 'healthy')
-  current_model = cur[1]
-  if current_model and cur[2] == '1' and (model == '' or model == current_model) then
-    return {'ok', view_row(current), version()}
+# acquire(job, model) -> {'ok', view row, version} or an error tuple the client turns into an exception.
+_LUA_ACQUIRE = _LUA_KEYS + """
+local function acquire(job, model)
+  local job_key = key('job', job)
+  local current = redis.call('GET', job_key)
+  local current_model = false
+  if current then
+    local cur = redis.call('HMGET', key('info', current), 'model', 'healthy')
+    current_model = cur[1]
+    if current_model and cur[2] == '1' and (model == '' or model == current_model) then
+      return {'ok', view_row(current), version()}
+    end
   end
-end
-if model == '' then model = current_model or '' end
-if model == '' then
-  local models = redis.call('SMEMBERS', key('models'))
-  if #models == 0 then return {'no_models'} end
-  if #models > 1 then return {'ambiguous', unpack(models)} end
-  model = models[1]
-elseif redis.call('SISMEMBER', key('models'), model) == 0 then
-  return {'unknown_model', model, unpack(redis.call('SMEMBERS', key('models')))}
-end
-if current then
-  redis.call('DEL', job_key)
-  if redis.call('SREM', key('jobs', current), job) == 1 and current_model then
-    redis.call('ZINCRBY', key('heap', current_model), -1, current)
+  if model == '' then model = current_model or '' end
+  if model == '' then
+    local models = redis.call('SMEMBERS', key('models'))
+    if #models == 0 then return {'no_models'} end
+    if #models > 1 then return {'ambiguous', unpack(models)} end
+    model = models[1]
+  elseif redis.call('SISMEMBER', key('models'), model) == 0 then
+    return {'unknown_model', model, unpack(redis.call('SMEMBERS', key('models')))}
   end
-end
-local heap = key('heap', model)
-local members = redis.call('ZRANGE', heap, 0, -1)
-for _, id in ipairs(members) do
-  local info = key('info', id)
-  if redis.call('HGET', info, 'healthy') == '1' then
-    redis.call('ZINCRBY', heap, 1, id)
-    redis.call('HINCRBY', info, 'total_assignments', 1)
-    redis.call('SADD', key('jobs', id), job)
-    redis.call('SET', job_key, id)
-    return {'ok', view_row(id), version()}
+  if current then
+    redis.call('DEL', job_key)
+    if redis.call('SREM', key('jobs', current), job) == 1 and current_model then
+      redis.call('ZINCRBY', key('heap', current_model), -1, current)
+    end
   end
+  local heap = key('heap', model)
+  local members = redis.call('ZRANGE', heap, 0, -1)
+  for _, id in ipairs(members) do
+    local info = key('info', id)
+    if redis.call('HGET', info, 'healthy') == '1' then
+      redis.call('ZINCRBY', heap, 1, id)
+      redis.call('HINCRBY', info, 'total_assignments', 1)
+      redis.call('SADD', key('jobs', id), job)
+      redis.call('SET', job_key, id)
+      return {'ok', view_row(id), version()}
+    end
+  end
+  local urls = {}
+  for _, id in ipairs(members) do urls[#urls + 1] = redis.call('HGET', key('info', id), 'url') end
+  return {'none_healthy', model, unpack(urls)}
 end
-local urls = {}
-for _, id in ipairs(members) do urls[#urls + 1] = redis.call('HGET', key('info', id), 'url') end
-return {'none_healthy', model, unpack(urls)}
+"""
+
+_ACQUIRE = _LUA_ACQUIRE + "return acquire(ARGV[2], ARGV[3])"
+
+# The one round trip before an LLM call. ARGV: prefix, job, model, the job's hash (its cancel flag).
+_START_CALL = _LUA_ACQUIRE + """
+if redis.call('HGET', ARGV[4], 'cancel_requested') == '1' then return {'cancelled'} end
+if redis.call('EXISTS', key('paused')) == 1 then return {'paused'} end
+local answer = acquire(ARGV[2], ARGV[3])
+if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), ARGV[2], 1) end
+return answer
 """
 
 _RELEASE = _LUA_KEYS + """
@@ -249,6 +260,7 @@ class BackendPool:
         self._register = redis_client.register_script(_REGISTER)
         self._remove = redis_client.register_script(_REMOVE)
         self._acquire = redis_client.register_script(_ACQUIRE)
+        self._start_call = redis_client.register_script(_START_CALL)
         self._release = redis_client.register_script(_RELEASE)
         self._set_health = redis_client.register_script(_SET_HEALTH)
         self._record_probe = redis_client.register_script(_RECORD_PROBE)
@@ -297,7 +309,17 @@ class BackendPool:
         else the least-loaded healthy backend of the model's pool (``model`` None: the only
         model, or the model of the job's previous backend). Cheap enough to call before every
         LLM call, which is how a job follows a removal or a failed health probe."""
-        reply = self._acquire(args=[self.prefix, job_id, model or ""])
+        return self._granted(self._acquire(args=[self.prefix, job_id, model or ""]))
+
+    def start_call(self, job_id: str, model: str | None, job_key: str) -> BackendView | str:
+        """Everything before an LLM call in one round trip: ``"cancelled"`` if the job hash at
+        ``job_key`` has its cancel flag up, ``"paused"`` during a weight sync, else the job's
+        backend (as ``acquire``) with the call counted in flight (``end_call`` ends it)."""
+        reply = self._start_call(args=[self.prefix, job_id, model or "", job_key])
+        status = as_text(reply[0])
+        return status if status in ("cancelled", "paused") else self._granted(reply)
+
+    def _granted(self, reply: list[Any]) -> BackendView:
         status = as_text(reply[0])
         if status == "ok":
             return _view(reply[1], reply[2])
@@ -365,14 +387,6 @@ class BackendPool:
             if state >= 0:
                 health[view.id] = bool(state)
         return health
-
-    def probe_forever(self, should_stop: Callable[[], bool], interval_s: float | None = None) -> None:
-        interval_s = get_settings().backend_probe_interval_s if interval_s is None else interval_s
-        while not should_stop():
-            started = time.monotonic()
-            self.probe(timeout_s=min(2.0, interval_s))
-            while not should_stop() and time.monotonic() - started < interval_s:
-                time.sleep(min(0.1, interval_s))
 
     # weight sync
 

@@ -19,7 +19,7 @@ from rollout_service.settings import Settings, get_settings
 
 WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
     "init": ("threads", "init_concurrency"),
-    "run": ("threads", "run_concurrency"),
+    "run": ("gevent", "run_concurrency"),
     "eval": ("prefork", "eval_concurrency"),
     "control": ("threads", "control_concurrency"),
 }

@@ -14,14 +14,14 @@ a ``BackendError`` naming the server.
 """
 from __future__ import annotations
 
-import os
-import threading
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
+from rollout_service.http_pool import ConnectFailed, ReadTimedOut, Transport, shared_pool
 from rollout_service.errors import (
     BackendError,
     BackendRejected,
@@ -63,29 +63,30 @@ class InferenceClient(Protocol):
     ) -> Generation: ...
 
 
-_http_lock = threading.Lock()
-_http_client: httpx.Client | None = None
-_http_pid: int | None = None
+class HttpxTransport:
+    """A ``Transport`` over an ``httpx.Client`` (e.g. one with a mock transport, in tests)."""
+
+    def __init__(self, client: httpx.Client) -> None:
+        self.client = client
+
+    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
+        try:
+            response = self.client.post(url, content=body, headers={"Content-Type": "application/json"},
+                                        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        except _RETRYABLE as exc:
+            raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+        except httpx.TimeoutException as exc:
+            raise ReadTimedOut(str(exc)) from exc
+        except httpx.HTTPError as exc:
+            raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+        return response.status_code, response.content
 
 
-def shared_http_client() -> httpx.Client:
-    """One pooled, thread-safe HTTP client per process (re-created after a fork)."""
-    global _http_client, _http_pid
-    with _http_lock:
-        if _http_client is None or _http_pid != os.getpid():
-            _http_client = httpx.Client(
-                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-                trust_env=False,
-            )
-            _http_pid = os.getpid()
-        return _http_client
-
-
-def _server_message(response: httpx.Response) -> str:
+def _server_message(content: bytes) -> str:
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase
+        return content.decode(errors="replace").strip()[:500] or "(empty body)"
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and error.get("message"):
@@ -118,12 +119,12 @@ class _HTTPInferenceClient:
         self,
         url: str,
         model: str,
-        http: httpx.Client | None = None,
+        http: httpx.Client | Transport | None = None,
         connect_retries: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model
-        self.http = http or shared_http_client()
+        self.http: Transport = HttpxTransport(http) if isinstance(http, httpx.Client) else (http or shared_pool())
         self.connect_retries = (
             get_settings().llm_connect_retries if connect_retries is None else connect_retries
         )
@@ -151,44 +152,42 @@ class _HTTPInferenceClient:
 
     def _post(self, body: dict[str, Any], timeout_s: float) -> Any:
         endpoint = self.url + self.path
-        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+        payload = json.dumps(body, separators=(",", ":")).encode()
         attempts = 1 + max(0, self.connect_retries)
         for attempt in range(attempts):
             try:
-                response = self.http.post(endpoint, json=body, timeout=timeout)
+                status, content = self.http.post_json(endpoint, payload, timeout_s, min(timeout_s, CONNECT_TIMEOUT_S))
                 break
-            except _RETRYABLE as exc:
+            except ConnectFailed as exc:
                 if attempt + 1 == attempts:
                     raise BackendUnreachable(
                         f"cannot reach the {self.kind} backend at {self.url} after {attempts} "
-                        f"attempt(s) ({type(exc).__name__}: {exc}); check that the server is "
+                        f"attempt(s) ({exc}); check that the server is "
                         f"running and the url is right (GET {self.url}/health should answer)"
                     ) from exc
                 time.sleep(RETRY_BACKOFF_S * 2**attempt)
-            except httpx.TimeoutException as exc:
+            except ReadTimedOut as exc:
                 raise BackendTimeout(
                     f"the {self.kind} backend at {self.url} did not answer within {timeout_s:g} s; "
                     "raise timeouts.llm_call_s (ROLLOUT_LLM_CALL_TIMEOUT_S) or lower "
                     "sampling.max_new_tokens"
                 ) from exc
-            except httpx.HTTPError as exc:
-                raise BackendError(f"POST {endpoint} failed: {type(exc).__name__}: {exc}") from exc
-        if not response.is_success:
+        if not 200 <= status < 300:
             hint = ""
-            if response.status_code in (404, 405):
+            if status in (404, 405):
                 hint = (
                     f" (is {self.url} really a {self.kind} server? vLLM serves /v1/completions, "
                     "SGLang serves /generate: register the backend with the right kind)"
                 )
             raise BackendRejected(
-                f"the {self.kind} backend at {self.url} answered {response.status_code} to "
-                f"POST {self.path}: {_server_message(response)}{hint}",
-                status=response.status_code,
+                f"the {self.kind} backend at {self.url} answered {status} to "
+                f"POST {self.path}: {_server_message(content)}{hint}",
+                status=status,
             )
         try:
-            return response.json()
+            return json.loads(content)
         except ValueError as exc:
-            raise self._malformed(f"the body is not JSON: {response.text[:200]!r}") from exc
+            raise self._malformed(f"the body is not JSON: {content[:200]!r}") from exc
 
     def _malformed(self, problem: str) -> BackendError:
         return BackendError(

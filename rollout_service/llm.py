@@ -24,9 +24,11 @@ class PooledLLM:
 
     def __init__(self, pool: BackendPool, job_id: str, sampling: Sampling, call_timeout_s: float,
                  stop_reason: Callable[[], Optional[FinishReason]], deadline_at: float = math.inf,
-                 max_moves: int = 3) -> None:
+                 max_moves: int = 3, job_key: str = "", max_policy_lag: Optional[int] = None) -> None:
         self.pool = pool
         self.job_id = job_id
+        self.job_key = job_key
+        self.max_policy_lag = max_policy_lag
         self.sampling = sampling
         self.call_timeout_s = call_timeout_s
         self.deadline_at = deadline_at
@@ -35,11 +37,13 @@ class PooledLLM:
         self.last_backend_id: Optional[str] = None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
-        backend = self.pool.acquire(self.job_id, self.sampling.model)
+        backend = self._start_call()
+        version = backend.policy_version
         # the pool may already have moved the job (its backend failed health probes or was removed)
         moved_from = self.last_backend_id if self.last_backend_id not in (None, backend.id) else None
-        version = self._begin_call()
         try:
+            if self._stale(record, version):
+                raise EpisodeInterrupted(FinishReason.stale)
             for _ in range(self.max_moves + 1):
                 client = client_for(backend.kind, backend.url, backend.model)
                 remaining_s = self.deadline_at - time.time()
@@ -69,23 +73,30 @@ class PooledLLM:
     def release(self) -> None:
         self.pool.release(self.job_id)
 
-    def _begin_call(self) -> int:
-        while (version := self.pool.begin_call(self.job_id)) is None:
+    def _start_call(self) -> BackendView:
+        """The job's backend for this call, after one round trip that also checks the cancel flag
+        and the weight-sync gate (waited out here)."""
+        while True:
+            if time.time() >= self.deadline_at:
+                raise EpisodeInterrupted(FinishReason.deadline)
+            granted = self.pool.start_call(self.job_id, self.sampling.model, self.job_key)
+            if granted == "cancelled":
+                raise EpisodeInterrupted(FinishReason.cancelled)
+            if granted != "paused":
+                return granted  # type: ignore[return-value]
             if reason := self.stop_reason():
                 raise EpisodeInterrupted(reason)
             self.pool.wait_resumed(1.0, lambda: self.stop_reason() is not None)
-        return version
+
+    def _stale(self, record: TrajectoryBuilder, version: int) -> bool:
+        """The policy moved on more than ``max_policy_lag`` versions since the episode's first call."""
+        if self.max_policy_lag is None:
+            return False
+        versions = [t.policy_version for t in record.turns if t.policy_version is not None]
+        return bool(versions) and version - min(versions) > self.max_policy_lag
 
     def _move(self, dead: BackendView, exc: BackendError) -> BackendView:
         try:
             return self.pool.move(self.job_id, dead.id)
         except NoBackendAvailable as none_left:
             raise NoBackendAvailable(f"{exc}; and no other healthy backend to move to: {none_left}") from exc
-
-
-def stale_check(pool: BackendPool, record: TrajectoryBuilder, max_policy_lag: Optional[int]) -> bool:
-    if max_policy_lag is None:
-        return False
-    versions = [t.policy_version for t in record.turns if t.policy_version is not None]
-    return bool(versions) and pool.policy_version() - min(versions) > max_policy_lag
-

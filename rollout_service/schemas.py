@@ -103,7 +103,8 @@ class ErrorInfo(BaseModel):
 
 
 class Timings(BaseModel):
-    queued_s: Optional[float] = None
+    queued_s: Optional[float] = Field(None, description="all time spent waiting in queues (sum of waits_s)")
+    waits_s: dict[str, float] = Field(default_factory=dict, description="queue wait before each stage")
     init_s: Optional[float] = None
     run_s: Optional[float] = None
     eval_s: Optional[float] = None

@@ -23,9 +23,11 @@ class Settings:
     api_token: str = ""
     gateway_workers: int = 2
     init_concurrency: int = 2
-    run_concurrency: int = 32
+    run_concurrency: int = 256  # episodes per run worker process (gevent greenlets)
     eval_concurrency: int = 2
     control_concurrency: int = 4
+    redis_max_connections: int = 64  # per process; callers beyond it wait for a free one
+    redis_pool_wait_s: float = 30.0
     job_ttl_s: int = 7 * 24 * 3600
     job_deadline_s: float = 1800.0
     visibility_timeout_s: int = 4 * 3600
@@ -40,7 +42,6 @@ class Settings:
     sandbox_memory_mb: int = 2048
     sandbox_max_procs: int = 256
     sandbox_cpu_time_s: int = 3600
-    sandbox_ttl_s: int = 2 * 3600
     tool_timeout_s: float = 120.0
     tool_output_cap_bytes: int = 32 * 1024
     eval_timeout_s: float = 60.0

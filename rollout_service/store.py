@@ -46,6 +46,26 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+# Everything a stage checks and records before its body, in one round trip.
+# KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
+# attempts field, start field, now.
+_BEGIN_STAGE = """
+local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index')
+if not f[1] then return {'missing'} end
+if f[1] ~= ARGV[1] and f[1] ~= ARGV[2] then return {'skip', f[1]} end
+if f[2] == '1' then return {'cancelled'} end
+if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
+local attempts = redis.call('HINCRBY', KEYS[1], ARGV[5], 1)
+redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7])
+return {'ok', f[3], attempts, f[4] or '0'}
+"""
+
+_END_STAGE = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+return redis.call('HGET', KEYS[1], 'status')
+"""
+
 _RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -66,7 +86,13 @@ def resolve_redis_url(settings: Settings) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _client_for(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+    """One client per process and URL. Its pool blocks when all connections are busy (hundreds
+    of episodes share a few dozen connections) instead of failing with "Too many connections"."""
+    settings = get_settings()
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_wait_s,
+        health_check_interval=30, socket_keepalive=True)
+    return redis.Redis(connection_pool=pool)
 
 
 def redis_client(settings: Settings | None = None) -> redis.Redis:
@@ -101,6 +127,8 @@ class JobStore:
         self._transition = client.register_script(_TRANSITION)
         self._release_lease = client.register_script(_RELEASE_LEASE)
         self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._begin_stage = client.register_script(_BEGIN_STAGE)
+        self._end_stage = client.register_script(_END_STAGE)
 
     @staticmethod
     def key(job_id: str, part: str = "") -> str:
@@ -171,11 +199,11 @@ class JobStore:
         f = self.fields(job_id)
         t = {k: _float(f.get(k)) for k in (
             "created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")}
-        waits = [(t["created_at"], t["init_start"]), (t["init_end"], t["run_start"]),
-                 (t["run_end"], t["eval_start"])]
-        queued = [b - a for a, b in waits if a is not None and b is not None]
+        waits = {"init": (t["created_at"], t["init_start"]), "run": (t["init_end"], t["run_start"]),
+                 "eval": (t["run_end"], t["eval_start"])}
+        queued = {stage: b - a for stage, (a, b) in waits.items() if a is not None and b is not None}
         timings = Timings(
-            queued_s=sum(queued) if queued else None,
+            queued_s=sum(queued.values()) if queued else None, waits_s=queued,
             init_s=_span(t["init_start"], t["init_end"]),
             run_s=_span(t["run_start"], t["run_end"]),
             eval_s=_span(t["eval_start"], t["eval_end"]),
@@ -279,6 +307,40 @@ class JobStore:
 
     def release_lease(self, job_id: str, owner: str) -> None:
         self._release_lease(keys=[self.key(job_id, "lease")], args=[owner])
+
+    # -- stages: one round trip in, one out ---------------------------------------------
+    def begin_stage(self, job_id: str, stage: str, previous: JobStatus, status: JobStatus,
+                    owner: str) -> tuple[str, list[str]]:
+        """Check the job may enter ``stage``, take its lease, count the delivery and set its
+        status: ``("ok", [deadline_at, attempts, rollout_index])``, or ``("skip", [status])``,
+        ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``."""
+        reply = self._call(self._begin_stage, keys=[self.key(job_id), self.key(job_id, "lease")], args=[
+            previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
+            f"attempts_{stage}", f"{stage}_start", time.time()])
+        return as_text(reply[0]), [as_text(v) for v in reply[1:]]
+
+    def end_stage(self, job_id: str, owner: str, **field: Any) -> Optional[JobStatus]:
+        """Release the job's lease, set at most one field; the job's status after the stage."""
+        name, value = next(iter(field.items())) if field else ("", "")
+        status = self._call(self._end_stage, keys=[self.key(job_id), self.key(job_id, "lease")],
+                            args=[owner, name, value])
+        return None if status is None else JobStatus(as_text(status))
+
+    def renew_leases(self, owners: dict[str, str]) -> None:
+        """Renew many leases (job id -> owner) in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        ttl_ms = int(self.settings.lease_ttl_s * 1000)
+        for job_id, owner in owners.items():
+            self._renew_lease(keys=[self.key(job_id, "lease")], args=[owner, ttl_ms], client=pipe)
+        self._execute(pipe)
+
+    def get_blobs(self, job_id: str, *names: str) -> list[Any]:
+        """Several blobs of one job in one round trip (NotFound names the first missing one)."""
+        values = self._call(self.redis.mget, [self.key(job_id, name) for name in names])
+        for name, data in zip(names, values):
+            if data is None:
+                raise NotFound(f"job {job_id!r} has no {name} (yet): check its status first")
+        return [unpack(data) for data in values]
 
     # -- plumbing ---------------------------------------------------------------------
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

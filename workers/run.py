@@ -9,9 +9,9 @@ from celery import Task
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool
-from rollout_service.llm import PooledLLM, stale_check
+from rollout_service.llm import PooledLLM
 from rollout_service.sandbox import SandboxSpec, create_sandbox
-from rollout_service.schemas import FinishReason, JobStatus
+from rollout_service.schemas import FinishReason, JobRequest, JobStatus
 from rollout_service.tasks import get_handler, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
@@ -26,26 +26,24 @@ def run_job(self: Task, job_id: str) -> None:
 
 def run_episode(ctx: StageContext) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
-    request = store.request(job_id)
-    prepared = store.get_blob(job_id, "prepared")
+    raw_request, prepared = store.get_blobs(job_id, "request", "prepared")
+    request = JobRequest.model_validate(raw_request)
     handler = get_handler(request.task["domain"])
     pool = BackendPool(store.redis)
     sampling = request.sampling.model_copy(update={"model": prepared["model"]})
     if sampling.seed is not None:  # rollouts of a group must not replay one sample
-        sampling.seed += int(store.fields(job_id).get("rollout_index") or 0)
+        sampling.seed += ctx.rollout_index
     tools = tuple(prepared["tools"])
 
-    def stop_reason() -> Optional[FinishReason]:
-        if store.cancel_requested(job_id):
-            return FinishReason.cancelled
-        if ctx.remaining_s() <= 0:
-            return FinishReason.deadline
-        if stale_check(pool, agent.history, request.max_policy_lag):
-            return FinishReason.stale
-        return None
+    def stop_reason() -> Optional[FinishReason]:  # every LLM call also checks the cancel flag
+        return FinishReason.deadline if ctx.remaining_s() <= 0 else None
+
+    def stop_while_paused() -> Optional[FinishReason]:
+        return FinishReason.cancelled if store.cancel_requested(job_id) else stop_reason()
 
     llm = PooledLLM(pool, job_id, sampling, request.timeouts.llm_call_s or settings.llm_call_timeout_s,
-                    stop_reason, deadline_at=ctx.deadline_at)
+                    stop_while_paused, deadline_at=ctx.deadline_at, job_key=store.key(job_id),
+                    max_policy_lag=request.max_policy_lag)
     sandbox = None
     agent = Agent(
         llm=llm, renderer=renderer_for(prepared["tokenizer"]),

@@ -1,5 +1,11 @@
 """What every stage task does around its body: skip finished jobs, count redeliveries,
-hold the job's lease, enforce the deadline, and turn exceptions into a typed status."""
+hold the job's lease, enforce the deadline, and turn exceptions into a typed status.
+
+A stage costs two Redis round trips of its own (``JobStore.begin_stage`` / ``end_stage``);
+the leases of all stages running in a process are renewed together by one keeper thread.
+Tasks end SUCCESS in Celery's eyes whatever happened to the job (the job's status is the
+record); a stage that ends the job stops the chain by clearing ``request.chain``.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,10 +16,9 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from celery import Task
-from celery.exceptions import Ignore
 
 from rollout_service.errors import DeadlineExceeded, RedeliveryLimit, RolloutError
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
@@ -38,12 +43,11 @@ class StageContext:
     settings: Settings
     deadline_at: float
     attempt: int = 1
+    rollout_index: int = 0
+    status_after: Optional[JobStatus] = None
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
-
-    def should_stop(self) -> bool:
-        return self.store.cancel_requested(self.job_id) or time.time() >= self.deadline_at
 
 
 def job_store() -> JobStore:
@@ -51,38 +55,74 @@ def job_store() -> JobStore:
     return JobStore(redis_client(settings), settings)
 
 
+class LeaseKeeper:
+    """Renews the leases of every stage running in this process, all in one round trip."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def hold(self, job_id: str, owner: str) -> None:
+        with self._lock:
+            self.held[job_id] = owner
+            if self._thread is None or self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._renew_forever, name="lease-keeper", daemon=True)
+                self._thread.start()
+
+    def drop(self, job_id: str) -> None:
+        with self._lock:
+            self.held.pop(job_id, None)
+
+    def _renew_forever(self) -> None:
+        store = job_store()
+        while True:
+            time.sleep(store.settings.lease_ttl_s / 3)
+            with self._lock:
+                owners = dict(self.held)
+            if owners:
+                try:
+                    store.renew_leases(owners)
+                except Exception:  # a Redis blip: the next round tries again
+                    log.warning("could not renew %d leases", len(owners), exc_info=True)
+
+
+leases = LeaseKeeper()
+
+
 @contextlib.contextmanager
 def stage(task: Task, job_id: str, name: str) -> Iterator[StageContext]:
     """Run a stage body at most once at a time per job; end the job on any failure."""
     store = job_store()
     settings = store.settings
-    status = store.status(job_id)
-    if status in TERMINAL_STATUSES or status not in (PREVIOUS_STATUS[name], STAGE_STATUS[name]):
-        raise SkipStage(f"job {job_id} is {status.value}; {name} has nothing to do")
-    if store.cancel_requested(job_id):
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    verdict, values = store.begin_stage(job_id, name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner)
+    if verdict == "missing":
+        raise SkipStage(f"job {job_id} does not exist (expired?); {name} has nothing to do")
+    if verdict == "skip":
+        raise SkipStage(f"job {job_id} is {values[0]}; {name} has nothing to do")
+    if verdict == "cancelled":
         store.finish(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value)
         raise SkipStage(f"job {job_id} was cancelled before {name}")
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    if not store.acquire_lease(job_id, owner):
+    if verdict == "leased":
         raise task.retry(countdown=settings.lease_ttl_s, max_retries=settings.max_redeliveries,
                          exc=RedeliveryLimit(f"job {job_id} stayed leased by another worker"))
-    stop_renewing = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(store, job_id, owner, stop_renewing), daemon=True)
-    renewer.start()
+    deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
+    leases.hold(job_id, owner)
+    ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index)
+    end_field: dict[str, object] = {}
     try:
-        attempts = store.count_attempt(job_id, name)
         if attempts > settings.max_redeliveries:
             raise RedeliveryLimit(
                 f"{name} of job {job_id} was delivered {attempts} times without finishing "
                 f"(worker crashes?); giving up. Raise ROLLOUT_MAX_REDELIVERIES to allow more.")
-        ctx = StageContext(job_id, name, store, settings, store.deadline_at(job_id), attempts)
         if ctx.remaining_s() <= 0:
             raise DeadlineExceeded(f"job deadline passed before {name} started; "
                                    "raise timeouts.job_s or add workers for this queue")
-        store.transition(job_id, STAGE_STATUS[name], (PREVIOUS_STATUS[name], STAGE_STATUS[name]),
-                         **{f"{name}_start": time.time()})
         yield ctx
-        store.set_fields(job_id, **{f"{name}_end": time.time()})
+        end_field = {f"{name}_end": time.time()}
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
     except RolloutError as exc:
@@ -92,8 +132,8 @@ def stage(task: Task, job_id: str, name: str) -> Iterator[StageContext]:
         log.exception("job %s crashed in %s", job_id, name)
         _end_failed(store, job_id, name, exc)
     finally:
-        stop_renewing.set()
-        store.release_lease(job_id, owner)
+        leases.drop(job_id)
+        ctx.status_after = store.end_stage(job_id, owner, **end_field)
 
 
 def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None:
@@ -104,21 +144,14 @@ def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None
         store.finish(job_id, JobStatus.failed, exc)
 
 
-def _renew(store: JobStore, job_id: str, owner: str, stop: threading.Event) -> None:
-    while not stop.wait(store.settings.lease_ttl_s / 3):
-        try:
-            store.renew_lease(job_id, owner)
-        except Exception:  # a Redis blip: the next renewal tries again
-            log.warning("could not renew lease of %s", job_id, exc_info=True)
-
-
 def run_stage_task(task: Task, job_id: str, name: str, body: Callable[[StageContext], None]) -> None:
-    """Run ``body`` as stage ``name``; stop the chain (Ignore) unless the job goes on."""
+    """Run ``body`` as stage ``name``; the chain goes on only while the job does."""
     try:
         with stage(task, job_id, name) as ctx:
             body(ctx)
     except SkipStage as reason:
         log.info("%s", reason)
-        raise Ignore() from None
-    if job_store().status(job_id) in TERMINAL_STATUSES:
-        raise Ignore()
+        task.request.chain = None
+        return
+    if ctx.status_after in TERMINAL_STATUSES:
+        task.request.chain = None
