@@ -27,13 +27,13 @@ def run_job(self: Task, job_id: str) -> None:
 def run_episode(ctx: StageContext) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
     request = store.request(job_id)
-    prepared = store.get_blob(job_id, "prepared")
+    prepared = store.prepared(job_id)
     handler = get_handler(request.task["domain"])
     pool = BackendPool(store.redis)
-    sampling = request.sampling.model_copy(update={"model": prepared["model"]})
+    sampling = request.sampling.model_copy(update={"model": prepared.model})
     if sampling.seed is not None:  # rollouts of a group must not replay one sample
         sampling.seed += int(store.fields(job_id).get("rollout_index") or 0)
-    tools = tuple(prepared["tools"])
+    tools = tuple(prepared.tools)
 
     def stop_reason() -> Optional[FinishReason]:
         if store.cancel_requested(job_id):
@@ -48,7 +48,7 @@ def run_episode(ctx: StageContext) -> None:
                     stop_reason, deadline_at=ctx.deadline_at)
     sandbox = None
     agent = Agent(
-        llm=llm, renderer=renderer_for(prepared["tokenizer"]),
+        llm=llm, renderer=renderer_for(prepared.tokenizer),
         parser=get_parser(request.agent.tool_parser), tools=tools, executor=None,
         limits=Limits(max_turns=request.agent.max_turns or settings.max_turns,
                       max_new_tokens=sampling.max_new_tokens or settings.max_new_tokens,
@@ -58,19 +58,19 @@ def run_episode(ctx: StageContext) -> None:
         stop_reason=stop_reason,
     )
     if ctx.attempt > 1:  # an earlier delivery died mid-episode: start from init's workspace again
-        restore_workspace(handler, request.task, Path(prepared["workspace"]))
+        restore_workspace(handler, request.task, Path(prepared.workspace))
     episode: Optional[Episode] = None
     try:
         if set(tools) - {"finish"}:
             sandbox = create_sandbox(settings.sandbox, SandboxSpec(
-                job_id=job_id, workspace=prepared["workspace"], image=prepared.get("image"),
+                job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
                 max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60),
                 store.redis)
             sandbox.start()
             store.set_fields(job_id, sandbox_boot_s=sandbox.boot_s)
             agent.executor = sandbox
-        episode = agent.run(prepared["prompt_ids"], prepared["messages"])
+        episode = agent.run(prepared.prompt_ids, prepared.messages)
         store.put_trajectory(job_id, episode.trajectory)
         artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
     finally:
