@@ -3,7 +3,7 @@ declaration), body parsing, replies in JSON or msgpack, query arguments, and the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import msgpack

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgpack
 from flask import Blueprint, Response, request
@@ -69,7 +69,7 @@ def served_models(jobs: JobStore) -> list[str]:
     return BackendPool(jobs.redis).models()
 
 
-def idempotent(scope: str, make: Any) -> tuple[dict[str, Any], bool]:
+def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
     """``make()``'s response, or the one stored under this request's Idempotency-Key (then True)."""
     key = request.headers.get("Idempotency-Key")
     if key and (previous := store().claim_idempotency_key(f"{scope}{key}")) is not None:

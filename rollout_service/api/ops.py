@@ -11,7 +11,6 @@ from rollout_service.api.common import reply, route, store
 from rollout_service.schemas import Health, Readiness
 
 blueprint = Blueprint("ops", __name__)
-SERVED_QUEUES = ("init", "run", "eval")
 
 
 @route(blueprint, "get", "/healthz", "The process is up", response=Health, public=True, errors=())
@@ -29,8 +28,8 @@ def readyz() -> Response:
         served = dispatch.served_queues(store().redis)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         return reply({"ready": False, "redis": False, "reason": str(exc)}, 503)
-    missing = [q for q in SERVED_QUEUES if q not in served]
-    body = {"ready": not missing, "redis": True, "queues": {q: q in served for q in SERVED_QUEUES}}
+    missing = [q for q in dispatch.STAGES if q not in served]
+    body = {"ready": not missing, "redis": True, "queues": {q: q in served for q in dispatch.STAGES}}
     return reply(body, 200 if not missing else 503)
 
 
