@@ -385,6 +385,15 @@ class JobStore:
     def release_lease(self, job_id: str, owner: str) -> None:
         self._release_lease(keys=[self.key(job_id, "lease")], args=[owner])
 
+    def pop_within(self, key: str, timeout_s: float, block_s: float = 1.0) -> Optional[bytes]:
+        """BLPOP ``key`` for up to ``timeout_s``, in blocks of ``block_s`` (each under the socket timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            answer = self._call(self.redis.blpop, [key], timeout=max(min(left, block_s), 0.01))
+            if answer is not None:
+                return answer[1]
+        return None
+
     # -- plumbing ---------------------------------------------------------------------
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import msgpack
 from flask import Blueprint, Response, request
@@ -24,7 +24,6 @@ from rollout_service.toolcalls import PARSERS
 
 blueprint = Blueprint("jobs", __name__)
 WAIT_RECHECK_S = 0.5
-SCORE_POLL_S = 1.0
 TERMINAL = {s.value for s in TERMINAL_STATUSES}
 
 
@@ -234,15 +233,11 @@ def score() -> Response:
     jobs.put_blob(score_id, "score-request", req.model_dump(mode="json"))
     dispatch.submit_score(score_id)
     timeout_s = settings().eval_timeout_s + 30
-    deadline = time.monotonic() + timeout_s
-    answer: Optional[tuple[bytes, bytes]] = None
-    while answer is None and (left := deadline - time.monotonic()) > 0:  # short blocks: under the socket timeout
-        answer = jobs._call(jobs.redis.blpop, [JobStore.key(score_id, "score-result")],
-                            timeout=max(min(left, SCORE_POLL_S), 0.01))
+    answer = jobs.pop_within(JobStore.key(score_id, "score-result"), timeout_s)
     if answer is None:
         raise ScoringTimeout(f"scoring did not finish within {timeout_s:.0f} s: are eval workers running "
                              "(rollout-service worker eval), or is ROLLOUT_EVAL_TIMEOUT_S too low?")
-    result = json.loads(answer[1])
+    result = json.loads(answer)
     if "error" in result:
         return reply(result, 400 if result["error"]["code"] in ("invalid_request", "task_error") else 500)
     return reply(result)
