@@ -149,7 +149,7 @@ class JobStore:
         seq = last_seq - total
         now = time.time()
         ttl = self.settings.job_ttl_s
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=True)  # all records or none
         created = []
         for request in requests:
             gid = group_id or new_id("group")
