@@ -241,6 +241,8 @@ class JobStore:
         Index entries whose job expired are trimmed on the way. At most ``scan_cap`` entries are
         examined per call: a filtered page may then be short with a cursor to go on."""
         wanted = {"status": status.value if status else None, "group_id": group_id, "batch_id": batch_id}
+        if group_id:  # a group lists its own members: no need to walk the index
+            return self._list_group(group_id, wanted, limit, cursor)
         found: list[str] = []
         upper = "+inf" if cursor is None else f"({cursor}"
         scanned = 0
@@ -268,6 +270,28 @@ class JobStore:
                 self._call(self.redis.zrem, JOB_INDEX, *expired)
             upper = f"({last_seq}"
         return self.views(found), last_seq
+
+    def _list_group(self, group_id: str, wanted: dict[str, Optional[str]], limit: int,
+                    cursor: Optional[int]) -> tuple[list[JobView], Optional[int]]:
+        members = self.group_jobs(group_id)
+        if not members:
+            return [], None
+        scores = self._call(self.redis.zmscore, JOB_INDEX, members)
+        ranked = sorted(((int(sc), j) for j, sc in zip(members, scores)
+                         if sc is not None and (cursor is None or sc < cursor)), reverse=True)
+        pipe = self.redis.pipeline(transaction=False)
+        for _, job_id in ranked:
+            pipe.hmget(self.key(job_id), "status", "batch_id")
+        found: list[tuple[int, str]] = []
+        for (seq, job_id), (job_status, job_batch) in zip(ranked, self._execute(pipe)):
+            if job_status is None or wanted["status"] not in (None, job_status.decode()):
+                continue
+            if wanted["batch_id"] not in (None, as_text(job_batch or b"")):
+                continue
+            found.append((seq, job_id))
+        page = found[:limit]
+        more = len(found) > limit
+        return self.views([j for _, j in page]), page[-1][0] if more else None
 
     def trim_job_index(self, batch: int = 1000) -> int:
         """Drop the oldest index entries whose job expired (housekeeping); returns how many."""

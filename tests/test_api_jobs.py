@@ -56,7 +56,10 @@ def test_list_jobs_filters_by_status_group_and_batch_newest_first_with_a_cursor(
     older, _ = client.list_jobs(limit=3, cursor=cursor)
     assert [v.job_id for v in older] == first.job_ids[::-1]
     grouped, end = client.list_jobs(group_id=first.group_id, limit=10)
-    assert {v.job_id for v in grouped} == set(first.job_ids) and end is None
+    assert [v.job_id for v in grouped] == first.job_ids[::-1] and end is None
+    two, more = client.list_jobs(group_id=first.group_id, limit=2)
+    rest, end = client.list_jobs(group_id=first.group_id, limit=2, cursor=more)
+    assert [v.job_id for v in two + rest] == first.job_ids[::-1] and end is None
     completed, _ = client.list_jobs(status="completed", limit=1000)
     assert set(first.job_ids + second.job_ids) <= {v.job_id for v in completed}
     assert client.list_jobs(status="failed", group_id=first.group_id)[0] == []
