@@ -1,8 +1,9 @@
 """Batches: K accepted GRPO groups with DAPO dynamic sampling, replenished as groups finish.
 
 No coordinator process. Every state change of a batch is one Lua script, run by whoever
-caused it: the gateway (submit, cancel), or the control task ``batch_member_done`` that the
-job store sends when a member of a batch reaches a terminal state. When the last member
+caused it: the gateway (submit, cancel; routes in rollout_service/api/batches.py), or the
+control task ``batch_member_done`` that workers/dispatch.py sends when the job store reports a
+member of a batch reaching a terminal state. When the last member
 of a group is in, that script decides accepted / dropped, reserves replacement groups from
 the task list up to ``max_inflight_groups``, and on the K-th acceptance closes the batch
 and names the in-flight jobs to cancel — all in one atomic step, so concurrent or
@@ -39,15 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import redis
-from flask import Blueprint, Response, g, request
 
 from rollout_service.errors import NotFound, ValidationError
 from rollout_service.schemas import (
     TERMINAL_STATUSES, BatchFilter, BatchGroup, BatchGroupsPage, BatchRequest, BatchStatus, BatchView,
     FinishReason, GroupRollout, JobRequest, JobStatus,
 )
-from rollout_service.settings import Settings
-from rollout_service.store import PREFIX, JobStore, as_text, new_id, redis_client
+from rollout_service.store import PREFIX, JobStore, as_text, new_id
 
 STALE_RESERVATION_S = 30.0  # a reservation this old lost its creator: heal re-creates its jobs
 STALE_CANCEL_S = 10.0
@@ -421,9 +420,9 @@ def cancel_member(jobs: JobStore, job_id: str) -> None:
 
 
 def enqueue_jobs(job_ids: list[str]) -> None:
-    from rollout_service.gateway import enqueue
+    from workers import dispatch
 
-    enqueue(job_ids)
+    dispatch.enqueue_jobs(job_ids)
 
 
 class BatchControl:
@@ -542,74 +541,3 @@ def validate(request: BatchRequest) -> None:
             get_handler(task["domain"]).validate(task)
         except ValidationError as exc:
             raise ValidationError(f"tasks[{i}]: {exc.message}") from None
-
-
-# --------------------------------------------------------------------------- HTTP
-
-
-OPENAPI_ROUTES = [
-    ("post", "/v1/batches", "Submit a batch of GRPO groups with DAPO dynamic sampling",
-     BatchRequest, None),
-    ("get", "/v1/batches/{batch_id}", "Batch progress, counters and unused tasks", None, BatchView),
-    ("get", "/v1/batches/{batch_id}/groups", "Long-poll accepted groups (?after=<cursor>&wait=<s>)",
-     None, BatchGroupsPage),
-    ("post", "/v1/batches/{batch_id}/cancel", "Cancel a batch and its in-flight rollouts", None, BatchView),
-]
-
-
-def batches_blueprint(settings: Settings) -> Blueprint:
-    """``/v1/batches`` routes; error handling and auth come from the app that registers it."""
-    from rollout_service.gateway import body, reply, seconds_arg
-
-    blueprint = Blueprint("batches", __name__)
-
-    def control() -> BatchControl:
-        if "batch_control" not in g:
-            g.batch_control = BatchControl(JobStore(redis_client(settings), settings))
-        return g.batch_control
-
-    @blueprint.post("/v1/batches")
-    def submit_batch() -> Response:
-        batch = BatchRequest.model_validate(body())
-        key = request.headers.get("Idempotency-Key")
-        if key:
-            validate(batch)
-            if (previous := control().jobs.claim_idempotency_key(f"batch:{key}")) is not None:
-                return reply(previous, 202)
-        response = {"batch_id": control().submit(batch)}
-        if key:
-            control().jobs.record_idempotent_response(f"batch:{key}", response)
-        return reply(response, 202)
-
-    @blueprint.get("/v1/batches/<batch_id>")
-    def get_batch(batch_id: str) -> Response:
-        return reply(control().batches.view(batch_id).model_dump(mode="json"))
-
-    @blueprint.get("/v1/batches/<batch_id>/groups")
-    def batch_groups(batch_id: str) -> Response:
-        cursor = _int_arg("after", 0)
-        wait_s = min(seconds_arg("wait", 0.0), MAX_WAIT_S)
-        batches = control().batches
-        batches.status(batch_id)
-        control().heal(batch_id)
-        deadline = time.monotonic() + wait_s
-        while (batches.accepted_count(batch_id) <= cursor and batches.status(batch_id) == BatchStatus.running
-               and time.monotonic() < deadline):
-            time.sleep(POLL_S)
-        page = batches.groups_after(batch_id, cursor)
-        return reply(page.model_dump(mode="json", exclude=WIRE_EXCLUDES))
-
-    @blueprint.post("/v1/batches/<batch_id>/cancel")
-    def cancel_batch(batch_id: str) -> Response:
-        return reply(control().cancel(batch_id).model_dump(mode="json"))
-
-    return blueprint
-
-
-def _int_arg(name: str, default: int) -> int:
-    raw = request.args.get(name, "")
-    if not raw:
-        return default
-    if not raw.isdigit():
-        raise ValidationError(f"{name}={raw!r} must be a non-negative integer (the cursor of the last page)")
-    return int(raw)

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import httpx
 import msgpack
 
 from rollout_service.errors import ApiError, DeadlineExceeded
 from rollout_service.schemas import (
-    TERMINAL_STATUSES, BackendView, JobView, ScoreResponse, SubmitResponse, Trajectory,
+    MAX_WAIT_JOBS, BackendView, FinishReason, JobView, ScoreResponse, SubmitResponse, Trajectory, Turn,
 )
 from rollout_service.schemas import BatchCreated, BatchGroup, BatchGroupsPage, BatchView
 
@@ -46,26 +46,58 @@ class RolloutClient:
     def trajectory(self, job_id: str) -> Trajectory:
         return Trajectory.model_validate(self._call("GET", f"/v1/jobs/{job_id}/trajectory", msgpack_body=True))
 
-    def wait(self, job_ids: Iterable[str], timeout_s: float = 600.0, poll_s: float = 0.2,
-             on_done: Optional[Any] = None) -> list[JobView]:
-        """Poll until every job is terminal; ``on_done(view)`` is called once per finished job."""
-        pending = list(dict.fromkeys(job_ids))
+    def submit_many(self, jobs: list[dict[str, Any]], idempotency_key: Optional[str] = None
+                    ) -> list[SubmitResponse]:
+        """Submit many job bodies (as POST /v1/jobs takes them) in one request; answers in order."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        doc = self._call("POST", "/v1/jobs/bulk", json={"jobs": jobs}, headers=headers)
+        return [SubmitResponse.model_validate(s) for s in doc["submissions"]]
+
+    def wait(self, job_ids: Iterable[str], timeout_s: float = 600.0, poll_s: Optional[float] = None,
+             on_done: Optional[Callable[[JobView], Any]] = None, long_poll_s: float = 30.0) -> list[JobView]:
+        """Long-poll POST /v1/jobs/wait until every job is terminal; ``on_done(view)`` is called
+        once per finished job as it ends. ``poll_s`` is accepted for compatibility and unused."""
+        order = list(dict.fromkeys(job_ids))
+        pending = list(order)
         done: dict[str, JobView] = {}
         deadline = time.monotonic() + timeout_s
         while pending:
-            for job_id in list(pending):
-                view = self.get(job_id)
-                if view.status in TERMINAL_STATUSES:
-                    done[job_id] = view
-                    pending.remove(job_id)
-                    if on_done:
-                        on_done(view)
-            if pending:
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"{len(pending)} jobs still running after {timeout_s:.0f} s: "
-                                           f"{pending[:5]}; wait longer or cancel them")
-                time.sleep(poll_s)
-        return [done[j] for j in dict.fromkeys(job_ids)]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"{len(pending)} jobs still running after {timeout_s:.0f} s: "
+                                       f"{pending[:5]}; wait longer or cancel them")
+            wait_s = min(left, long_poll_s)
+            doc = self._call("POST", "/v1/jobs/wait", timeout=wait_s + 60,
+                             json={"job_ids": pending[:MAX_WAIT_JOBS], "timeout_s": wait_s, "min_finished": 1})
+            for raw in doc["finished"]:
+                view = JobView.model_validate(raw)
+                done[view.job_id] = view
+                if on_done:
+                    on_done(view)
+            pending = [j for j in pending if j not in done]
+        return [done[j] for j in order]
+
+    def trajectories(self, job_ids: Iterable[str], chunk: int = 1000) -> dict[str, Trajectory]:
+        """Trajectories of many jobs, ``chunk`` per request, msgpack on the wire; jobs without a
+        trajectory (yet) are left out."""
+        ids = list(dict.fromkeys(job_ids))
+        found: dict[str, Trajectory] = {}
+        for start in range(0, len(ids), chunk):
+            doc = self._call("POST", "/v1/jobs/trajectories", msgpack_body=True,
+                             json={"job_ids": ids[start:start + chunk]})
+            for job_id, raw in doc["trajectories"].items():
+                if raw is not None:
+                    found[job_id] = stored_trajectory(raw)
+        return found
+
+    def list_jobs(self, status: Optional[str] = None, group_id: Optional[str] = None,
+                  batch_id: Optional[str] = None, limit: int = 100, cursor: Optional[str] = None
+                  ) -> tuple[list[JobView], Optional[str]]:
+        """One page of GET /v1/jobs, newest first: (views, cursor of the next page or None)."""
+        params = {k: v for k, v in {"status": status, "group_id": group_id, "batch_id": batch_id,
+                                    "limit": limit, "cursor": cursor}.items() if v is not None}
+        doc = self._call("GET", "/v1/jobs", params=params)
+        return [JobView.model_validate(v) for v in doc["jobs"]], doc["cursor"]
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
         return ScoreResponse.model_validate(self._call("POST", "/v1/score", json={"task": task, "submission": submission}))
@@ -169,8 +201,9 @@ class BatchRun:
                 bar.set_postfix(dropped=page.dropped, in_flight=page.in_flight, refresh=False)
                 for group in page.groups:
                     if self.trajectories:
+                        found = self.client.trajectories([r.job_id for r in group.rollouts])
                         for rollout in group.rollouts:
-                            rollout.trajectory = self.client.trajectory(rollout.job_id)
+                            rollout.trajectory = found.get(rollout.job_id)
                     bar.update(1)
                     yield group
                 if page.done:
@@ -195,3 +228,13 @@ class BatchRun:
     def __exit__(self, *exc: object) -> None:
         if self.view().status.value == "running":
             self.cancel()
+
+
+def stored_trajectory(doc: dict[str, Any]) -> Trajectory:
+    """A trajectory document as the service stored it (validated when it was written): only the
+    few turns are validated again, not the token lists, which can hold millions of numbers."""
+    fields = dict(doc)
+    fields["turns"] = [Turn.model_validate(t) for t in doc.get("turns", [])]
+    if fields.get("finish_reason") is not None:
+        fields["finish_reason"] = FinishReason(fields["finish_reason"])
+    return Trajectory.model_construct(**fields)

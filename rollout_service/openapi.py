@@ -1,61 +1,93 @@
-"""``GET /openapi.json``: every route, with request/response schemas from the wire contract."""
+"""``GET /openapi.json``, generated from the one route table (rollout_service/api/common.py)."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
 
 from rollout_service import schemas
+from rollout_service.api.common import MSGPACK, ROUTES, Route
 
-ROUTES: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None]] = [
-    ("post", "/v1/jobs", "Submit a task (n > 1: a GRPO group)", schemas.JobRequest, schemas.SubmitResponse),
-    ("get", "/v1/jobs/{job_id}", "Job status, timings, reward", None, schemas.JobView),
-    ("get", "/v1/jobs/{job_id}/trajectory", "Token-level trajectory", None, schemas.Trajectory),
-    ("post", "/v1/jobs/{job_id}/cancel", "Cancel a job", None, schemas.JobView),
-    ("post", "/v1/score", "Score a submission without an agent", schemas.ScoreRequest, schemas.ScoreResponse),
-    ("post", "/v1/backends", "Register an inference backend", schemas.BackendSpec, schemas.BackendView),
-    ("get", "/v1/backends", "List backends with live assignment counts", None, None),
-    ("delete", "/v1/backends/{backend_id}", "Remove a backend", None, None),
-    ("post", "/v1/backends/pause", "Stop new LLM calls (weight sync)", None, None),
-    ("post", "/v1/backends/resume", "Resume LLM calls under a policy version", schemas.ResumeRequest, None),
-    ("get", "/healthz", "Process is up", None, None),
-    ("get", "/readyz", "Redis reachable and every queue served", None, None),
-    ("get", "/metrics", "Prometheus metrics", None, None),
-]
-
-
-ACCEPTED = {("post", "/v1/jobs"), ("post", "/v1/batches")}
+ERROR_STATUSES = {
+    400: "invalid input: the message names the field and the problem",
+    401: "missing or wrong bearer token",
+    404: "no such job, batch or backend (or its TTL expired)",
+    409: "a request with this Idempotency-Key is still being processed",
+    500: "internal error (a bug: please report it with the message)",
+    503: "store_unavailable: Redis is unreachable or not answering; retry",
+    504: "the operation did not finish in time",
+}
+ALWAYS = (500, 503)
 
 
 def spec() -> dict[str, Any]:
-    from rollout_service.batches import OPENAPI_ROUTES
+    from rollout_service.api import backends, batches, jobs, ops  # noqa: F401  (they declare the routes)
 
+    components: dict[str, Any] = {"ErrorInfo": schemas.ErrorInfo.model_json_schema()}
+    components["Error"] = {"type": "object", "required": ["error"],
+                           "properties": {"error": {"$ref": "#/components/schemas/ErrorInfo"}}}
     paths: dict[str, dict[str, Any]] = {}
-    components: dict[str, Any] = {}
-    error = {"description": "error", "content": {"application/json": {"schema": {
-        "type": "object", "properties": {"error": {"$ref": "#/components/schemas/ErrorInfo"}}}}}}
-    components["ErrorInfo"] = schemas.ErrorInfo.model_json_schema()
-    for method, path, summary, body, response in ROUTES + OPENAPI_ROUTES:
-        op: dict[str, Any] = {"summary": summary, "responses": {"4XX": error}}
-        if body is not None:
-            components[body.__name__] = _schema(body, components)
-            op["requestBody"] = {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}
-        ok: dict[str, Any] = {"description": "ok"}
-        if response is not None:
-            components[response.__name__] = _schema(response, components)
-            ok["content"] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{response.__name__}"}}}
-        op["responses"]["202" if (method, path) in ACCEPTED else "200"] = ok
-        params = [p.strip("{}") for p in path.split("/") if p.startswith("{")]
-        if params:
-            op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-                                for p in params]
-        paths.setdefault(path, {})[method] = op
-    return {"openapi": "3.1.0", "info": {"title": "rollout-service", "version": "1"},
-            "paths": paths, "components": {"schemas": components}}
+    for route in ROUTES:
+        paths.setdefault(route.path, {})[route.method] = _operation(route, components)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "rollout-service", "version": "1",
+                 "description": "JSON by default; send 'Accept: application/msgpack' for msgpack."},
+        "paths": paths,
+        "components": {"schemas": components, "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "required when the service runs with ROLLOUT_API_TOKEN"}}},
+        "security": [{"bearer": []}],
+    }
 
 
-def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": route.summary, "operationId": route.endpoint.replace(".", "_")}
+    if route.public:
+        op["security"] = []
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                  for name in re.findall(r"{(\w+)}", route.path)]
+    for query in route.query:
+        schema: dict[str, Any] = {"type": query.kind}
+        if query.enum:
+            schema["enum"] = list(query.enum)
+        parameters.append({"name": query.name, "in": "query", "required": False,
+                           "description": query.description, "schema": schema})
+    if route.idempotent:
+        parameters.append({"name": "Idempotency-Key", "in": "header", "required": False,
+                           "description": "a retried request with the same key returns the first answer",
+                           "schema": {"type": "string"}})
+    if parameters:
+        op["parameters"] = parameters
+    if route.request is not None:
+        op["requestBody"] = {"required": not route.request_optional,
+                             "content": _content(_ref(route.request, components), msgpack=True)}
+    ok: dict[str, Any] = {"description": "accepted" if route.status == 202 else
+                          "created" if route.status == 201 else "ok"}
+    if route.response is not None:
+        ok["content"] = _content(_ref(route.response, components), msgpack=route.content_type == "application/json")
+    elif route.content_type != "application/json":
+        ok["content"] = {route.content_type: {"schema": {"type": "string"}}}
+    else:
+        ok["content"] = _content({"type": "object"}, msgpack=True)
+    responses: dict[str, Any] = {str(route.status): ok}
+    for status in sorted({*route.errors, *ALWAYS, *((401,) if not route.public else ())}):
+        responses[str(status)] = {"description": ERROR_STATUSES[status],
+                                  "content": _content({"$ref": "#/components/schemas/Error"}, msgpack=True)}
+    op["responses"] = responses
+    return op
+
+
+def _content(schema: dict[str, Any], msgpack: bool) -> dict[str, Any]:
+    content = {"application/json": {"schema": schema}}
+    if msgpack:
+        content[MSGPACK] = {"schema": schema}
+    return content
+
+
+def _ref(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(schema.pop("$defs", {}))
-    return schema
+    components[model.__name__] = schema
+    return {"$ref": f"#/components/schemas/{model.__name__}"}

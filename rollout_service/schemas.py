@@ -77,7 +77,6 @@ class Timeouts(_Strict):
     job_s: Optional[float] = Field(None, gt=0)
     llm_call_s: Optional[float] = Field(None, gt=0)
     tool_s: Optional[float] = Field(None, gt=0)
-    eval_s: Optional[float] = Field(None, gt=0)
 
 
 class JobRequest(_Strict):
@@ -95,6 +94,36 @@ class JobRequest(_Strict):
 class SubmitResponse(BaseModel):
     job_ids: list[str]
     group_id: str
+
+
+MAX_BULK_JOBS = 4096
+MAX_WAIT_JOBS = 10000
+MAX_WAIT_S = 60.0
+MAX_LIST_JOBS = 1000
+
+
+class BulkJobRequest(_Strict):
+    """``POST /v1/jobs/bulk``: many job requests in one round trip, answered in order."""
+
+    jobs: list[JobRequest] = Field(min_length=1, max_length=MAX_BULK_JOBS)
+
+
+class BulkSubmitResponse(BaseModel):
+    submissions: list[SubmitResponse]
+
+
+class WaitRequest(_Strict):
+    """``POST /v1/jobs/wait``: long-poll until ``min_finished`` of ``job_ids`` are terminal."""
+
+    job_ids: list[str] = Field(min_length=1, max_length=MAX_WAIT_JOBS)
+    timeout_s: float = Field(10.0, ge=0.0, le=MAX_WAIT_S)
+    min_finished: int = Field(1, ge=1, description="capped at len(job_ids)")
+
+
+class JobIdsRequest(_Strict):
+    """``POST /v1/jobs/trajectories``."""
+
+    job_ids: list[str] = Field(min_length=1, max_length=MAX_BULK_JOBS)
 
 
 class ErrorInfo(BaseModel):
@@ -125,6 +154,29 @@ class JobView(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
 
+class WaitResponse(BaseModel):
+    finished: list[JobView]
+    pending: list[str]
+
+
+class JobList(BaseModel):
+    jobs: list[JobView]
+    cursor: Optional[str] = Field(None, description="pass as ?cursor= for the next (older) page; null at the end")
+
+
+class Prepared(BaseModel):
+    """What init hands to run (the ``prepared`` blob): the rendered prompt and the sandbox set-up."""
+
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]
+    tools: list[str]
+    model: str
+    tokenizer: str
+    workspace: str
+    image: Optional[str] = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
 class Turn(BaseModel):
     start: int
     end: int
@@ -146,6 +198,10 @@ class Trajectory(BaseModel):
     reward: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
     truncated: bool = False
+
+
+class TrajectoriesResponse(BaseModel):
+    trajectories: dict[str, Optional[Trajectory]] = Field(description="null: no trajectory (yet)")
 
 
 class BackendSpec(_Strict):
@@ -172,6 +228,33 @@ class BackendView(BaseModel):
     live_assignments: int
     total_assignments: int
     policy_version: int
+
+
+class BackendList(BaseModel):
+    backends: list[BackendView]
+    paused: bool
+    policy_version: int
+
+
+class PauseState(BaseModel):
+    paused: bool
+    policy_version: int
+    inflight_calls: Optional[int] = Field(None, description="LLM calls still running (pause only)")
+
+
+class Deleted(BaseModel):
+    deleted: str
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    ready: bool
+    redis: bool
+    queues: dict[str, bool] = Field(default_factory=dict)
+    reason: Optional[str] = None
 
 
 class ResumeRequest(_Strict):

@@ -15,6 +15,9 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = ""  # empty: an embedded redis-server under state_dir
+    redis_socket_timeout_s: float = 10.0  # above any single command; blocking reads stay shorter
+    redis_connect_timeout_s: float = 3.0
+    redis_retries: int = 3  # per command, exponential backoff, on connection errors and timeouts
     state_dir: str = "./.rollout"
     port: int = 8006
     flower_port: int = 5555

@@ -14,17 +14,35 @@ from typing import Any, Callable, Iterable, Optional
 
 import msgpack
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
 from rollout_service.schemas import (
-    TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Timings, Trajectory,
+    TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Prepared, Timings, Trajectory,
 )
 from rollout_service.settings import Settings, get_settings
 
 PREFIX = "rollout"
 LIVE_JOBS = f"{PREFIX}:jobs:live"
+JOB_INDEX = f"{PREFIX}:jobs:index"  # zset: job id -> creation sequence number (newest = highest)
+JOB_SEQUENCE = f"{PREFIX}:jobs:seq"
+FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"  # pub/sub: a job id each time a job reaches a terminal state
 STAGES = ("init", "run", "eval")
-BATCH_MEMBER_DONE_TASK = "workers.control.batch_member_done"
+TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+VIEW_FIELDS = ("status", "group_id", "batch_id", "created_at", "init_start", "init_end", "run_start",
+               "run_end", "eval_start", "eval_end", "sandbox_boot_s", "reward", "finish_reason",
+               "error_code", "error_message", "backend_id", "attempts_init", "attempts_run",
+               "attempts_eval", "metadata")
+
+OnFinished = Callable[[str, str], None]  # (job id, batch id or "") once a job reached a terminal state
+_ON_FINISHED: list[OnFinished] = []
+
+
+def on_job_finished(hook: OnFinished) -> None:
+    """Register ``hook`` for every JobStore of this process (workers/dispatch.py registers the batch event)."""
+    if hook not in _ON_FINISHED:
+        _ON_FINISHED.append(hook)
 
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
@@ -37,13 +55,11 @@ if ARGV[2] ~= '' then
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[4]) end
+if ARGV[3] == '1' then
+  redis.call('SREM', KEYS[2], ARGV[4])
+  redis.call('PUBLISH', KEYS[3], ARGV[4])
+end
 return 1
-"""
-
-_RELEASE_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
 """
 
 # Everything a stage checks and records before its body, in one round trip.
@@ -85,18 +101,24 @@ def resolve_redis_url(settings: Settings) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _client_for(url: str) -> redis.Redis:
-    """One client per process and URL. Its pool blocks when all connections are busy (hundreds
-    of episodes share a few dozen connections) instead of failing with "Too many connections"."""
+def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, retries: int) -> redis.Redis:
+    """One client per process and URL that rides out a Redis blip: deliberate timeouts, every
+    command retried ``retries`` times with exponential backoff on connection errors and timeouts.
+    Its pool blocks when all connections are busy (hundreds of episodes share a few dozen
+    connections) instead of failing with "Too many connections"."""
     settings = get_settings()
     pool = redis.BlockingConnectionPool.from_url(
         url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_wait_s,
-        health_check_interval=30, socket_keepalive=True)
+        health_check_interval=30, socket_keepalive=True, socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     return redis.Redis(connection_pool=pool)
 
 
 def redis_client(settings: Settings | None = None) -> redis.Redis:
-    return _client_for(resolve_redis_url(settings or get_settings()))
+    settings = settings or get_settings()
+    return _client_for(resolve_redis_url(settings), settings.redis_socket_timeout_s,
+                       settings.redis_connect_timeout_s, settings.redis_retries)
 
 
 def new_id(prefix: str) -> str:
@@ -121,11 +143,12 @@ def _float(value: Optional[str]) -> Optional[float]:
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings | None = None,
+                 on_finished: Optional[list[OnFinished]] = None) -> None:
         self.redis = client
         self.settings = settings or get_settings()
+        self.on_finished = _ON_FINISHED if on_finished is None else on_finished
         self._transition = client.register_script(_TRANSITION)
-        self._release_lease = client.register_script(_RELEASE_LEASE)
         self._renew_lease = client.register_script(_RENEW_LEASE)
         self._begin_stage = client.register_script(_BEGIN_STAGE)
         self._end_stage = client.register_script(_END_STAGE)
@@ -137,29 +160,41 @@ class JobStore:
     # -- submission -------------------------------------------------------------------
     def create_jobs(self, request: JobRequest, group_id: str | None = None,
                     batch_id: str = "") -> tuple[list[str], str]:
-        group_id = group_id or new_id("group")
-        single = request.model_copy(update={"n": 1})
-        blob = pack(single.model_dump(mode="json"))
+        return self.create_many([request], group_id=group_id, batch_id=batch_id)[0]
+
+    def create_many(self, requests: list[JobRequest], group_id: str | None = None,
+                    batch_id: str = "") -> list[tuple[list[str], str]]:
+        """Write the records of every request's jobs (one group per request) in one pipeline."""
+        total = sum(r.n for r in requests)
+        last_seq = int(self._call(self.redis.incrby, JOB_SEQUENCE, total))
+        seq = last_seq - total
         now = time.time()
-        deadline_s = request.timeouts.job_s or self.settings.job_deadline_s
         ttl = self.settings.job_ttl_s
-        job_ids = [new_id("job") for _ in range(request.n)]
-        pipe = self.redis.pipeline(transaction=True)
-        for index, job_id in enumerate(job_ids):
-            pipe.hset(self.key(job_id), mapping={
-                "rollout_index": index,
-                "status": JobStatus.queued.value, "group_id": group_id, "batch_id": batch_id,
-                "created_at": now, "deadline_at": now + deadline_s,
-                "domain": request.task["domain"],
-                "metadata": json.dumps(request.metadata),
-            })
-            pipe.expire(self.key(job_id), ttl)
-            pipe.set(self.key(job_id, "request"), blob, ex=ttl)
-            pipe.sadd(LIVE_JOBS, job_id)
-        pipe.rpush(f"{PREFIX}:group:{group_id}", *job_ids)
-        pipe.expire(f"{PREFIX}:group:{group_id}", ttl)
+        pipe = self.redis.pipeline(transaction=True)  # all records or none
+        created = []
+        for request in requests:
+            gid = group_id or new_id("group")
+            blob = pack(request.model_copy(update={"n": 1}).model_dump(mode="json"))
+            deadline_s = request.timeouts.job_s or self.settings.job_deadline_s
+            job_ids = [new_id("job") for _ in range(request.n)]
+            for index, job_id in enumerate(job_ids):
+                seq += 1
+                pipe.hset(self.key(job_id), mapping={
+                    "rollout_index": index,
+                    "status": JobStatus.queued.value, "group_id": gid, "batch_id": batch_id,
+                    "created_at": now, "deadline_at": now + deadline_s,
+                    "domain": request.task["domain"],
+                    "metadata": json.dumps(request.metadata),
+                })
+                pipe.expire(self.key(job_id), ttl)
+                pipe.set(self.key(job_id, "request"), blob, ex=ttl)
+                pipe.sadd(LIVE_JOBS, job_id)
+                pipe.zadd(JOB_INDEX, {job_id: seq})
+            pipe.rpush(f"{PREFIX}:group:{gid}", *job_ids)
+            pipe.expire(f"{PREFIX}:group:{gid}", ttl)
+            created.append((job_ids, gid))
         self._execute(pipe)
-        return job_ids, group_id
+        return created
 
     def claim_idempotency_key(self, key: str, wait_s: float = 10.0) -> Optional[dict[str, Any]]:
         """None if this request now owns ``key``; else the response stored by the one that does."""
@@ -196,30 +231,111 @@ class JobStore:
         return JobRequest.model_validate(self.get_blob(job_id, "request"))
 
     def view(self, job_id: str) -> JobView:
-        f = self.fields(job_id)
-        t = {k: _float(f.get(k)) for k in (
-            "created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")}
-        waits = {"init": (t["created_at"], t["init_start"]), "run": (t["init_end"], t["run_start"]),
-                 "eval": (t["run_end"], t["eval_start"])}
-        queued = {stage: b - a for stage, (a, b) in waits.items() if a is not None and b is not None}
-        timings = Timings(
-            queued_s=sum(queued.values()) if queued else None, waits_s=queued,
-            init_s=_span(t["init_start"], t["init_end"]),
-            run_s=_span(t["run_start"], t["run_end"]),
-            eval_s=_span(t["eval_start"], t["eval_end"]),
-            sandbox_boot_s=_float(f.get("sandbox_boot_s")),
-        )
-        error = ErrorInfo(code=f["error_code"], message=f.get("error_message", "")) \
-            if f.get("error_code") else None
-        result = self.get_blob(job_id, "result", default=None)
-        return JobView(
-            job_id=job_id, status=JobStatus(f["status"]), group_id=f["group_id"],
-            timings=timings, reward=_float(f.get("reward")),
-            finish_reason=f.get("finish_reason") or None, error=error, result=result,
-            backend_id=f.get("backend_id") or None,
-            attempts=max(int(f.get(f"attempts_{s}", 0)) for s in STAGES),
-            metadata=json.loads(f.get("metadata", "{}")),
-        )
+        return self.views([job_id])[0]
+
+    def views(self, job_ids: list[str]) -> list[JobView]:
+        """Job views in one round trip (fields and result blobs pipelined); 404 naming unknown ids."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(self.key(job_id), VIEW_FIELDS)
+            pipe.get(self.key(job_id, "result"))
+        replies = self._execute(pipe)
+        rows = [dict(zip(VIEW_FIELDS, (None if v is None else v.decode() for v in values)))
+                for values in replies[0::2]]
+        missing = [j for j, row in zip(job_ids, rows) if row["status"] is None]
+        if missing:
+            raise NotFound(f"no job {_names(missing)}: never existed or TTL expired")
+        return [_job_view(job_id, row, None if blob is None else unpack(blob))
+                for job_id, row, blob in zip(job_ids, rows, replies[1::2])]
+
+    def statuses(self, job_ids: list[str]) -> list[Optional[str]]:
+        """Every job's status (None: no such job) in one pipelined round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.key(job_id), "status")
+        return [None if v is None else v.decode() for v in self._execute(pipe)]
+
+    def list_jobs(self, status: Optional[JobStatus] = None, group_id: Optional[str] = None,
+                  batch_id: Optional[str] = None, limit: int = 100, cursor: Optional[int] = None,
+                  scan_cap: int = 20000) -> tuple[list[JobView], Optional[int]]:
+        """Newest first from the creation index; the cursor is the sequence number to continue below.
+        Index entries whose job expired are trimmed on the way. At most ``scan_cap`` entries are
+        examined per call: a filtered page may then be short with a cursor to go on."""
+        wanted = {"status": status.value if status else None, "group_id": group_id, "batch_id": batch_id}
+        if group_id:  # a group lists its own members: no need to walk the index
+            return self._list_group(group_id, wanted, limit, cursor)
+        found: list[str] = []
+        upper = "+inf" if cursor is None else f"({cursor}"
+        scanned = 0
+        last_seq: Optional[int] = None
+        while len(found) < limit and scanned < scan_cap:
+            chunk = self._call(self.redis.zrevrangebyscore, JOB_INDEX, upper, "-inf",
+                               start=0, num=min(500, scan_cap - scanned), withscores=True)
+            if not chunk:
+                return self.views(found), None
+            pipe = self.redis.pipeline(transaction=False)
+            for member, _ in chunk:
+                pipe.hmget(self.key(member.decode()), "status", "group_id", "batch_id")
+            expired = []
+            for (member, score), values in zip(chunk, self._execute(pipe)):
+                scanned += 1
+                last_seq = int(score)
+                row = dict(zip(wanted, (None if v is None else v.decode() for v in values)))
+                if row["status"] is None:
+                    expired.append(member)
+                elif all(want is None or row[name] == want for name, want in wanted.items()):
+                    found.append(member.decode())
+                    if len(found) == limit:
+                        break
+            if expired:
+                self._call(self.redis.zrem, JOB_INDEX, *expired)
+            upper = f"({last_seq}"
+        return self.views(found), last_seq
+
+    def _list_group(self, group_id: str, wanted: dict[str, Optional[str]], limit: int,
+                    cursor: Optional[int]) -> tuple[list[JobView], Optional[int]]:
+        members = self.group_jobs(group_id)
+        if not members:
+            return [], None
+        scores = self._call(self.redis.zmscore, JOB_INDEX, members)
+        ranked = sorted(((int(sc), j) for j, sc in zip(members, scores)
+                         if sc is not None and (cursor is None or sc < cursor)), reverse=True)
+        pipe = self.redis.pipeline(transaction=False)
+        for _, job_id in ranked:
+            pipe.hmget(self.key(job_id), "status", "batch_id")
+        found: list[tuple[int, str]] = []
+        for (seq, job_id), (job_status, job_batch) in zip(ranked, self._execute(pipe)):
+            if job_status is None or wanted["status"] not in (None, job_status.decode()):
+                continue
+            if wanted["batch_id"] not in (None, as_text(job_batch or b"")):
+                continue
+            found.append((seq, job_id))
+        page = found[:limit]
+        more = len(found) > limit
+        return self.views([j for _, j in page]), page[-1][0] if more else None
+
+    def trim_job_index(self, batch: int = 1000) -> int:
+        """Drop the oldest index entries whose job expired (housekeeping); returns how many."""
+        oldest = self._call(self.redis.zrange, JOB_INDEX, 0, batch - 1)
+        if not oldest:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for member in oldest:
+            pipe.exists(self.key(member.decode()))
+        gone = [m for m, alive in zip(oldest, self._execute(pipe)) if not alive]
+        if gone:
+            self._call(self.redis.zrem, JOB_INDEX, *gone)
+        return len(gone)
+
+    def raw_trajectories(self, job_ids: list[str]) -> list[Optional[bytes]]:
+        """The stored msgpack trajectory blobs, one MGET; 404 naming ids that are not jobs."""
+        blobs = self._call(self.redis.mget, [self.key(j, "trajectory") for j in job_ids])
+        unsure = [j for j, blob in zip(job_ids, blobs) if blob is None]
+        if unsure:
+            missing = [j for j, s in zip(unsure, self.statuses(unsure)) if s is None]
+            if missing:
+                raise NotFound(f"no job {_names(missing)}: never existed or TTL expired")
+        return blobs
 
     # -- blobs --------------------------------------------------------------------------
     def put_blob(self, job_id: str, name: str, obj: Any) -> None:
@@ -239,6 +355,12 @@ class JobStore:
     def trajectory(self, job_id: str) -> Trajectory:
         return Trajectory.model_validate(self.get_blob(job_id, "trajectory"))
 
+    def put_prepared(self, job_id: str, prepared: Prepared) -> None:
+        self.put_blob(job_id, "prepared", prepared.model_dump(mode="json"))
+
+    def prepared(self, job_id: str) -> Prepared:
+        return Prepared.model_validate(self.get_blob(job_id, "prepared"))
+
     # -- state changes ----------------------------------------------------------------
     def transition(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus] = (),
                    **fields: Any) -> bool:
@@ -247,7 +369,7 @@ class JobStore:
                            "1" if to in TERMINAL_STATUSES else "0", job_id]
         for name, value in fields.items():
             args += [name, "" if value is None else value]
-        result = self._call(self._transition, keys=[self.key(job_id), LIVE_JOBS], args=args)
+        result = self._call(self._transition, keys=[self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args=args)
         if result == -1:
             raise NotFound(f"no job {job_id!r}: it never existed or its TTL expired")
         return result == 1
@@ -260,10 +382,10 @@ class JobStore:
             fields.update(error_code=info.code, error_message=info.message)
         fields.setdefault("finished_at", time.time())
         ended = self.transition(job_id, status, allowed_from, **fields)
-        if ended and self.redis.hget(self.key(job_id), "batch_id"):
-            from workers.celery_app import app
-
-            app.send_task(BATCH_MEMBER_DONE_TASK, args=(job_id,), queue="control")
+        if ended and self.on_finished:
+            batch_id = as_text(self._call(self.redis.hget, self.key(job_id), "batch_id") or b"")
+            for hook in self.on_finished:
+                hook(job_id, batch_id)
         return ended
 
     def set_fields(self, job_id: str, **fields: Any) -> None:
@@ -295,18 +417,6 @@ class JobStore:
 
     def live_jobs(self) -> set[str]:
         return {j.decode() for j in self.redis.smembers(LIVE_JOBS)}
-
-    # -- leases: one live runner per job ------------------------------------------------
-    def acquire_lease(self, job_id: str, owner: str) -> bool:
-        return bool(self.redis.set(self.key(job_id, "lease"), owner, nx=True,
-                                   px=int(self.settings.lease_ttl_s * 1000)))
-
-    def renew_lease(self, job_id: str, owner: str) -> bool:
-        return bool(self._renew_lease(keys=[self.key(job_id, "lease")],
-                                      args=[owner, int(self.settings.lease_ttl_s * 1000)]))
-
-    def release_lease(self, job_id: str, owner: str) -> None:
-        self._release_lease(keys=[self.key(job_id, "lease")], args=[owner])
 
     # -- stages: one round trip in, one out ---------------------------------------------
     def begin_stage(self, job_id: str, stage: str, previous: JobStatus, status: JobStatus,
@@ -342,15 +452,54 @@ class JobStore:
                 raise NotFound(f"job {job_id!r} has no {name} (yet): check its status first")
         return [unpack(data) for data in values]
 
+    def pop_within(self, key: str, timeout_s: float, block_s: float = 1.0) -> Optional[bytes]:
+        """BLPOP ``key`` for up to ``timeout_s``, in blocks of ``block_s`` (each under the socket timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            answer = self._call(self.redis.blpop, [key], timeout=max(min(left, block_s), 0.01))
+            if answer is not None:
+                return answer[1]
+        return None
+
     # -- plumbing ---------------------------------------------------------------------
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except redis.ConnectionError as exc:
-            raise StoreUnavailable(f"Redis is unreachable ({exc}); check ROLLOUT_REDIS_URL and that Redis runs") from exc
+        except TRANSIENT_REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"Redis is unreachable or not answering ({type(exc).__name__}: {exc}); "
+                                   "check ROLLOUT_REDIS_URL and that Redis runs, then retry") from exc
 
     def _execute(self, pipe: redis.client.Pipeline) -> list[Any]:
         return self._call(pipe.execute)
+
+
+def _job_view(job_id: str, f: dict[str, Optional[str]], result: Any) -> JobView:
+    t = {k: _float(f.get(k)) for k in (
+        "created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")}
+    waits = {"init": (t["created_at"], t["init_start"]), "run": (t["init_end"], t["run_start"]),
+             "eval": (t["run_end"], t["eval_start"])}
+    queued = {stage: b - a for stage, (a, b) in waits.items() if a is not None and b is not None}
+    timings = Timings(
+        queued_s=sum(queued.values()) if queued else None, waits_s=queued,
+        init_s=_span(t["init_start"], t["init_end"]),
+        run_s=_span(t["run_start"], t["run_end"]),
+        eval_s=_span(t["eval_start"], t["eval_end"]),
+        sandbox_boot_s=_float(f.get("sandbox_boot_s")),
+    )
+    error = ErrorInfo(code=f["error_code"], message=f.get("error_message") or "") if f.get("error_code") else None
+    return JobView(
+        job_id=job_id, status=JobStatus(f["status"]), group_id=f["group_id"] or "",
+        timings=timings, reward=_float(f.get("reward")),
+        finish_reason=f.get("finish_reason") or None, error=error, result=result,
+        backend_id=f.get("backend_id") or None,
+        attempts=max(int(f.get(f"attempts_{s}") or 0) for s in STAGES),
+        metadata=json.loads(f.get("metadata") or "{}"),
+    )
+
+
+def _names(job_ids: list[str], shown: int = 20) -> str:
+    more = f" and {len(job_ids) - shown} more" if len(job_ids) > shown else ""
+    return ", ".join(repr(j) for j in job_ids[:shown]) + more
 
 
 def _span(start: Optional[float], end: Optional[float]) -> Optional[float]:

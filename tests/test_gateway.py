@@ -1,8 +1,13 @@
 """The gateway answers bad input with a 4xx that names the problem, and describes itself."""
 from __future__ import annotations
 
+import re
+import threading
+import time
+
 import httpx
 import pytest
+import redis
 
 
 @pytest.mark.parametrize("body, status, fragment", [
@@ -49,12 +54,31 @@ def test_readyz_reports_every_queue_served(service):
     assert body == {"ready": True, "redis": True, "queues": {"init": True, "run": True, "eval": True}}
 
 
-def test_openapi_describes_every_route(service):
+def test_openapi_describes_every_flask_route_and_nothing_else(service, redis_url):
+    from rollout_service.gateway import create_app
+    from rollout_service.settings import Settings
+
+    app = create_app(Settings(redis_url=redis_url))
+    served = {(m.lower(), re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule))
+              for rule in app.url_map.iter_rules() for m in rule.methods - {"HEAD", "OPTIONS"}}
     spec = httpx.get(f"{service.url}/openapi.json").json()
-    for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/trajectory", "/v1/jobs/{job_id}/cancel",
-                 "/v1/score", "/v1/backends", "/v1/backends/pause", "/v1/backends/resume"):
-        assert path in spec["paths"]
-    assert "JobRequest" in spec["components"]["schemas"]
+    described = {(method, path) for path, ops in spec["paths"].items() for method in ops}
+    assert served == described
+
+    submit = spec["paths"]["/v1/jobs"]["post"]
+    assert {p["name"] for p in submit["parameters"]} == {"Idempotency-Key"}
+    assert set(submit["responses"]) >= {"202", "400", "401", "500", "503"}
+    assert "application/msgpack" in submit["responses"]["202"]["content"]
+    assert "application/msgpack" in submit["requestBody"]["content"]
+    assert "201" in spec["paths"]["/v1/backends"]["post"]["responses"]
+    assert "504" in spec["paths"]["/v1/score"]["post"]["responses"]
+    listing = {p["name"]: p for p in spec["paths"]["/v1/jobs"]["get"]["parameters"]}
+    assert set(listing) == {"status", "group_id", "batch_id", "limit", "cursor"}
+    assert "timed_out" in listing["status"]["schema"]["enum"]
+    assert spec["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert spec["paths"]["/healthz"]["get"]["security"] == [] and "security" not in submit
+    for schema in ("JobRequest", "BulkJobRequest", "WaitResponse", "JobList", "TrajectoriesResponse", "Error"):
+        assert schema in spec["components"]["schemas"]
 
 
 def test_metrics_export_queue_lengths(service):
@@ -72,6 +96,39 @@ def test_bearer_auth_guards_v1_routes_when_a_token_is_set(monkeypatch, redis_url
     assert web.get("/v1/backends", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert web.get("/v1/backends", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert web.get("/healthz").status_code == 200
+    assert web.get("/ui/").status_code == 200  # the page is public; its API calls carry the token
+
+
+def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redis_client, redis_url):
+    from rollout_service.gateway import create_app
+    from rollout_service.schemas import JobRequest
+    from rollout_service.settings import Settings
+    from rollout_service.store import JobStore, redis_client as service_client
+
+    settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.3, redis_retries=6)
+    job_ids, _ = JobStore(service_client(settings), settings).create_jobs(
+        JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"}))
+    web = create_app(settings).test_client()
+    assert web.get(f"/v1/jobs/{job_ids[0]}").status_code == 200
+    stall = threading.Thread(target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "1000", "ALL"))
+    stall.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    response = web.get(f"/v1/jobs/{job_ids[0]}")
+    stall.join()
+    assert response.status_code == 200 and response.json["status"] == "queued", response.json
+    assert time.monotonic() - started > 0.5  # it did meet the stall, and rode it out
+
+    settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.2, redis_retries=1)
+    web = create_app(settings).test_client()
+    stall = threading.Thread(target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "2000", "ALL"))
+    stall.start()
+    time.sleep(0.1)
+    response = web.get(f"/v1/jobs/{job_ids[0]}")
+    stall.join()
+    time.sleep(2)  # let the pause end before the next test
+    assert response.status_code == 503 and response.json["error"]["code"] == "store_unavailable"
+    assert "TimeoutError" in response.json["error"]["message"]
 
 
 def test_a_json_body_sent_without_content_type_is_accepted_like_curl_d_sends_it(service):

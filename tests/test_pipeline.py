@@ -107,12 +107,21 @@ def test_a_job_for_an_unreachable_backend_fails_with_a_clear_error(client, tiny_
         client.remove_backend(backend.id)
 
 
-def test_a_job_with_no_backend_for_its_model_fails_and_says_which_models_exist(client, scripted_backend):
+def test_a_job_for_a_model_no_backend_serves_is_refused_at_submission_naming_the_models(client, scripted_backend):
     scripted_backend({"episodes": []}, model="only-model")
-    job_id, = client.submit(math_task("2+2?"), sampling={"model": "other-model"}).job_ids
+    with pytest.raises(ApiError) as err:
+        client.submit(math_task("2+2?"), sampling={"model": "other-model"})
+    assert err.value.http_status == 400
+    assert "sampling.model 'other-model'" in str(err.value) and "only-model" in str(err.value)
+
+
+def test_a_job_whose_model_left_after_submission_fails_and_says_why(client, scripted_backend):
+    backend = scripted_backend({"episodes": []}, model="leaving-model")
+    job_id, = client.submit(math_task("2+2?"), sampling={"model": "leaving-model"}).job_ids
+    client.remove_backend(backend.id)
     view, = client.wait([job_id], timeout_s=60)
     assert view.status.value == "failed"
-    assert "only-model" in view.error.message
+    assert "leaving-model" in view.error.message or "no inference backend" in view.error.message
 
 
 def test_cancel_ends_a_running_job_cancelled_and_keeps_its_partial_trajectory(client, scripted_backend):

@@ -1,6 +1,6 @@
 """The one Celery configuration every process shares (gateway, every worker pool, Flower).
 
-Reliability settings follow DESIGN.md: late acks, reject on worker loss, prefetch 1, and a
+Tasks, queues and kombu keys are named in workers/dispatch.py only. Reliability settings follow DESIGN.md: late acks, reject on worker loss, prefetch 1, and a
 visibility timeout above the longest job deadline, set identically everywhere.
 """
 from __future__ import annotations
@@ -9,18 +9,14 @@ import threading
 import time
 
 import redis
-from celery import Celery, chain
+from celery import Celery
 from celery.signals import worker_ready
 
 from rollout_service.settings import Settings, get_settings
 from rollout_service.store import resolve_redis_url
 
-QUEUES = ("init", "run", "eval", "control")
-TASK_NAMES = {
-    "init": "workers.init.init_job",
-    "run": "workers.run.run_job",
-    "eval": "workers.eval.eval_job",
-}
+HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated queues it consumes
+HEARTBEAT_INTERVAL_S = 5
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -41,7 +37,6 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         task_default_queue="control",
-        task_routes={name: {"queue": queue} for queue, name in TASK_NAMES.items()},
         worker_send_task_events=True,
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
@@ -52,29 +47,10 @@ def make_celery(settings: Settings) -> Celery:
 app = make_celery(get_settings())
 
 
-STAGES = ("init", "run", "eval")
-
-
-def pipeline_for(job_id: str, first_stage: str = "init") -> chain:
-    """init → run → eval (or the tail from ``first_stage``), every link routed to its queue
-    with a deterministic, revocable id."""
-    return chain(*(
-        app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
-            queue=stage, task_id=f"{job_id}.{stage}")
-        for stage in STAGES[STAGES.index(first_stage):]
-    ))
-
-
-def stage_task_ids(job_id: str) -> list[str]:
-    return [f"{job_id}.{stage}" for stage in STAGES]
-
-
-HEARTBEAT_INTERVAL_S = 5
-
-
 @worker_ready.connect
 def _announce_queues(sender: object, **_: object) -> None:
-    """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell."""
+    """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell
+    (workers/dispatch.py reads it)."""
     queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]
     hostname = sender.hostname  # type: ignore[attr-defined]
     client = redis.Redis.from_url(resolve_redis_url(get_settings()))
@@ -82,7 +58,7 @@ def _announce_queues(sender: object, **_: object) -> None:
     def beat() -> None:
         while True:
             try:
-                client.set(f"rollout:worker:{hostname}", queues, ex=HEARTBEAT_INTERVAL_S * 3)
+                client.set(f"{HEARTBEAT_KEY_PREFIX}{hostname}", queues, ex=HEARTBEAT_INTERVAL_S * 3)
             except redis.RedisError:
                 pass
             time.sleep(HEARTBEAT_INTERVAL_S)

@@ -18,7 +18,8 @@ from rollout_service.backends import BackendPool
 from rollout_service.errors import NotFound, StoreUnavailable
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
-from workers.celery_app import app, pipeline_for
+from workers import dispatch
+from workers.celery_app import app
 from workers.stage import STAGE_STATUS, job_store
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ LOCK_KEY = "rollout:housekeeping:lock"
 STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()}
 
 
-@app.task(name="workers.control.housekeeping")
+@app.task(name=dispatch.HOUSEKEEPING_TASK)
 def housekeeping() -> dict[str, Any]:
     """Cluster-wide bookkeeping; one control worker runs it per interval."""
     store = job_store()
@@ -35,6 +36,7 @@ def housekeeping() -> dict[str, Any]:
         "recovered_jobs": recover_orphans(store),
         "leaked_assignments": pool.reconcile(store.live_jobs()),
         "health": pool.probe(),
+        "expired_index_entries": store.trim_job_index(),
     }
     log.debug("housekeeping: %s", report)
     return report
@@ -61,7 +63,7 @@ def recover_orphans(store: JobStore) -> list[str]:
         claim = store.key(job_id, f"recovery:{stage}:{f.get(f'attempts_{stage}', 0)}")
         if store.redis.set(claim, "1", nx=True, ex=store.settings.job_ttl_s):
             log.warning("job %s lost its %s worker; re-enqueueing from %s", job_id, stage, stage)
-            pipeline_for(job_id, stage).apply_async()
+            dispatch.enqueue_from(job_id, stage)
             recovered.append(job_id)
     return recovered
 
@@ -88,7 +90,8 @@ def _start_housekeeping(sender: Any, **_: Any) -> None:
     threading.Thread(target=loop, name="housekeeping", daemon=True).start()
 
 
-@app.task(name="workers.control.batch_member_done", autoretry_for=(StoreUnavailable, redis.ConnectionError),
+@app.task(name=dispatch.BATCH_MEMBER_DONE_TASK,
+          autoretry_for=(StoreUnavailable, redis.ConnectionError, redis.TimeoutError),
           retry_backoff=True, max_retries=8)
 def batch_member_done(job_id: str) -> str:
     """A member of a batch reached a terminal state: decide its group, top the batch up, cancel

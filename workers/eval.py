@@ -4,18 +4,20 @@ from __future__ import annotations
 import json
 import time
 
+import redis
 from celery import Task
 
-from rollout_service.errors import RolloutError
+from rollout_service.errors import RolloutError, StoreUnavailable
 from rollout_service.schemas import JobStatus, ScoreRequest
 from rollout_service.tasks import get_handler
+from workers import dispatch
 from workers.celery_app import app
 from workers.stage import StageContext, job_store, run_stage_task
 
 SCORE_RESULT_TTL_S = 600
 
 
-@app.task(name="workers.eval.eval_job", bind=True)
+@app.task(name=dispatch.TASK_NAMES["eval"], bind=True)
 def eval_job(self: Task, job_id: str) -> None:
     run_stage_task(self, job_id, "eval", score_job)
 
@@ -33,17 +35,27 @@ def score_job(ctx: StageContext) -> None:
     store.finish(job_id, JobStatus.completed, reward=scored.reward)
 
 
-@app.task(name="workers.eval.score_submission")
+TRANSIENT = (StoreUnavailable, redis.ConnectionError, redis.TimeoutError)
+
+
+@app.task(name=dispatch.SCORE_TASK, autoretry_for=TRANSIENT, retry_backoff=0.5, retry_backoff_max=5,
+          max_retries=6)
 def score_submission(score_id: str) -> None:
-    """``POST /v1/score``: the eval stage alone, on a submission the caller provides."""
+    """``POST /v1/score``: the eval stage alone, on a submission the caller provides. A Redis blip
+    retries the task (the gateway is still waiting); only the scoring itself can fail it."""
     store = job_store()
+    request = store.get_blob(score_id, "score-request")
     try:
-        req = ScoreRequest.model_validate(store.get_blob(score_id, "score-request"))
+        req = ScoreRequest.model_validate(request)
         result = get_handler(req.task["domain"]).score(req.task, req.submission).model_dump()
+    except TRANSIENT:
+        raise
     except RolloutError as exc:
         result = {"error": exc.to_dict()}
     except Exception as exc:
         result = {"error": {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}}
     key = store.key(score_id, "score-result")
-    store.redis.rpush(key, json.dumps(result))
-    store.redis.expire(key, SCORE_RESULT_TTL_S)
+    pipe = store.redis.pipeline(transaction=True)
+    pipe.rpush(key, json.dumps(result))
+    pipe.expire(key, SCORE_RESULT_TTL_S)
+    pipe.execute()

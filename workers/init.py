@@ -5,15 +5,17 @@ from celery import Task
 
 from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, ValidationError
+from rollout_service.schemas import Prepared
 from rollout_service.store import workspace_dir
 from rollout_service.tasks import get_handler
 from rollout_service.tokens import renderer_for
 from rollout_service.tools.schemas import tool_schemas
+from workers import dispatch
 from workers.celery_app import app
 from workers.stage import StageContext, run_stage_task
 
 
-@app.task(name="workers.init.init_job", bind=True)
+@app.task(name=dispatch.TASK_NAMES["init"], bind=True)
 def init_job(self: Task, job_id: str) -> None:
     run_stage_task(self, job_id, "init", prepare_job)
 
@@ -27,7 +29,7 @@ def prepare_job(ctx: StageContext) -> None:
     prepared = handler.prepare(request.task, workspace)
     tools = tuple(request.agent.tools) if request.agent.tools is not None else prepared.tools
     unknown = set(tools) - set(prepared.tools)
-    if unknown:
+    if unknown:  # the gateway checks this at submission; this is the second line of defence
         raise ValidationError(f"agent.tools {sorted(unknown)} are not offered by domain "
                               f"{handler.name!r}; it offers {list(prepared.tools)}")
     messages = prepared.messages
@@ -35,11 +37,10 @@ def prepare_job(ctx: StageContext) -> None:
         messages = [{"role": "system", "content": request.agent.system_prompt}] + \
             [m for m in messages if m["role"] != "system"]
     prompt_ids = renderer_for(tokenizer).initial_prompt(messages, tool_schemas(tools))
-    ctx.store.put_blob(ctx.job_id, "prepared", {
-        "prompt_ids": prompt_ids, "messages": messages, "tools": list(tools), "model": model,
-        "tokenizer": tokenizer, "workspace": str(workspace), "image": prepared.image,
-        "extra": prepared.extra,
-    })
+    ctx.store.put_prepared(ctx.job_id, Prepared(
+        prompt_ids=prompt_ids, messages=messages, tools=list(tools), model=model, tokenizer=tokenizer,
+        workspace=str(workspace), image=prepared.image, extra=prepared.extra,
+    ))
 
 
 def resolve_model(pool: BackendPool, model: str | None) -> tuple[str, str]:

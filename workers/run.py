@@ -11,7 +11,7 @@ from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool
 from rollout_service.llm import PooledLLM
 from rollout_service.sandbox import SandboxSpec, create_sandbox
-from rollout_service.schemas import FinishReason, JobRequest, JobStatus
+from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.tasks import get_handler, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
@@ -26,14 +26,14 @@ def run_job(self: Task, job_id: str) -> None:
 
 def run_episode(ctx: StageContext) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
-    raw_request, prepared = store.get_blobs(job_id, "request", "prepared")
-    request = JobRequest.model_validate(raw_request)
+    raw_request, raw_prepared = store.get_blobs(job_id, "request", "prepared")
+    request, prepared = JobRequest.model_validate(raw_request), Prepared.model_validate(raw_prepared)
     handler = get_handler(request.task["domain"])
     pool = BackendPool(store.redis)
-    sampling = request.sampling.model_copy(update={"model": prepared["model"]})
+    sampling = request.sampling.model_copy(update={"model": prepared.model})
     if sampling.seed is not None:  # rollouts of a group must not replay one sample
         sampling.seed += ctx.rollout_index
-    tools = tuple(prepared["tools"])
+    tools = tuple(prepared.tools)
 
     def stop_reason() -> Optional[FinishReason]:  # every LLM call also checks the cancel flag
         return FinishReason.deadline if ctx.remaining_s() <= 0 else None
@@ -46,7 +46,7 @@ def run_episode(ctx: StageContext) -> None:
                     max_policy_lag=request.max_policy_lag)
     sandbox = None
     agent = Agent(
-        llm=llm, renderer=renderer_for(prepared["tokenizer"]),
+        llm=llm, renderer=renderer_for(prepared.tokenizer),
         parser=get_parser(request.agent.tool_parser), tools=tools, executor=None,
         limits=Limits(max_turns=request.agent.max_turns or settings.max_turns,
                       max_new_tokens=sampling.max_new_tokens or settings.max_new_tokens,
@@ -56,19 +56,19 @@ def run_episode(ctx: StageContext) -> None:
         stop_reason=stop_reason,
     )
     if ctx.attempt > 1:  # an earlier delivery died mid-episode: start from init's workspace again
-        restore_workspace(handler, request.task, Path(prepared["workspace"]))
+        restore_workspace(handler, request.task, Path(prepared.workspace))
     episode: Optional[Episode] = None
     try:
         if set(tools) - {"finish"}:
             sandbox = create_sandbox(settings.sandbox, SandboxSpec(
-                job_id=job_id, workspace=prepared["workspace"], image=prepared.get("image"),
+                job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
                 max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60),
                 store.redis)
             sandbox.start()
             store.set_fields(job_id, sandbox_boot_s=sandbox.boot_s)
             agent.executor = sandbox
-        episode = agent.run(prepared["prompt_ids"], prepared["messages"])
+        episode = agent.run(prepared.prompt_ids, prepared.messages)
         store.put_trajectory(job_id, episode.trajectory)
         artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
     finally:

@@ -77,6 +77,9 @@ class CodeHandler:
     name = "code"
     tools = ("bash", "ipython", "editor", "finish")
 
+    def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
+        return self.tools
+
     def validate(self, task: dict[str, Any]) -> None:
         if is_humaneval(task):
             if not any(k in task for k in ("prompt", "test", "entry_point")):

@@ -18,6 +18,9 @@ class MathHandler:
     name = "math"
     tools = ("ipython", "finish")
 
+    def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
+        return self.tools
+
     def validate(self, task: dict[str, Any]) -> None:
         require(task, "problem", str, self.name)
         require(task, "answer", (str, int, float), self.name)

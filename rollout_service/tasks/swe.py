@@ -158,6 +158,9 @@ class SweHandler:
     name = "swe"
     tools = ("bash", "editor", "finish")
 
+    def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
+        return self.tools
+
     def validate(self, task: dict[str, Any]) -> None:
         require(task, "instance_id", str, self.name)
         require(task, "problem_statement", str, self.name)

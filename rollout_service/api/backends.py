@@ -1,0 +1,58 @@
+"""``/v1/backends``: register, list and remove inference servers; pause and resume for weight syncs."""
+from __future__ import annotations
+
+import time
+
+from flask import Blueprint, Response
+
+from rollout_service.api.common import Query, body, reply, route, seconds_arg, store
+from rollout_service.backends import BackendPool
+from rollout_service.schemas import BackendList, BackendSpec, BackendView, Deleted, PauseState, ResumeRequest
+
+blueprint = Blueprint("backends", __name__)
+
+
+def pool() -> BackendPool:
+    return BackendPool(store().redis)
+
+
+@route(blueprint, "post", "/v1/backends", "Register an inference backend (vLLM, SGLang, reference)",
+       request=BackendSpec, response=BackendView, status=201)
+def add_backend() -> Response:
+    spec = BackendSpec.model_validate(body())
+    return reply(pool().register(spec).model_dump(), 201)
+
+
+@route(blueprint, "get", "/v1/backends", "Backends with health and live assignment counts",
+       response=BackendList, errors=())
+def list_backends() -> Response:
+    p = pool()
+    return reply({"backends": [b.model_dump() for b in p.list()],
+                  "paused": p.paused(), "policy_version": p.policy_version()})
+
+
+@route(blueprint, "delete", "/v1/backends/{backend_id}", "Remove a backend (its jobs move on)",
+       response=Deleted, errors=(404,))
+def delete_backend(backend_id: str) -> Response:
+    pool().remove(backend_id)
+    return reply({"deleted": backend_id})
+
+
+@route(blueprint, "post", "/v1/backends/pause", "Stop new LLM calls for a weight sync",
+       response=PauseState, query=(Query("wait", "number", "seconds to wait for running calls to end"),))
+def pause() -> Response:
+    wait_s = seconds_arg("wait", 0.0)
+    p = pool()
+    p.pause()
+    deadline = time.monotonic() + wait_s
+    while p.inflight_calls() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return reply({"paused": True, "inflight_calls": p.inflight_calls(), "policy_version": p.policy_version()})
+
+
+@route(blueprint, "post", "/v1/backends/resume", "Resume LLM calls under a (new) policy version",
+       request=ResumeRequest, response=PauseState, request_optional=True)
+def resume() -> Response:
+    req = ResumeRequest.model_validate(body(default={}))
+    version = pool().resume(req.policy_version)
+    return reply({"paused": False, "policy_version": version})

@@ -1,0 +1,243 @@
+"""``/v1/jobs`` (one job or a group, in bulk, waiting, listing, trajectories) and ``/v1/score``."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+import msgpack
+from flask import Blueprint, Response, request
+
+from rollout_service.api.common import (
+    MSGPACK, Query, body, int_arg, reply, route, settings, store, wants_msgpack,
+)
+from rollout_service.backends import BackendPool
+from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
+from rollout_service.schemas import (
+    MAX_LIST_JOBS, AgentConfig, BulkJobRequest, BulkSubmitResponse, JobIdsRequest, JobList, JobRequest,
+    TERMINAL_STATUSES, JobStatus, JobView, Sampling, ScoreRequest, ScoreResponse, SubmitResponse, TrajectoriesResponse,
+    Trajectory, WaitRequest, WaitResponse,
+)
+from rollout_service.store import FINISHED_CHANNEL, JobStore, new_id, unpack
+from rollout_service.tasks import get_handler
+from rollout_service.toolcalls import PARSERS
+
+blueprint = Blueprint("jobs", __name__)
+WAIT_RECHECK_S = 0.5
+TERMINAL = {s.value for s in TERMINAL_STATUSES}
+
+
+# -- submission checks ------------------------------------------------------------------
+def check_job(task: dict[str, Any], sampling: Sampling, agent: AgentConfig, models: list[str],
+              where: str = "", task_at: str = "") -> None:
+    """What the schema cannot see, checked before anything is stored: the task's own fields,
+    the model against the registered backends, and the agent's tools and tool parser.
+    Field names in messages start with ``where`` (``jobs[3]``) and the task's with ``task_at``
+    (default ``<where>.task``; a batch passes ``tasks[0]``). ``models`` empty skips the model
+    check (no backend yet: init says so, unless one registers before then)."""
+    at = f"{where}." if where else ""
+    task_at = task_at or f"{at}task"
+    try:
+        handler = get_handler(task["domain"])
+    except UnknownName as exc:
+        raise ValidationError(f"{task_at}.domain: {exc.message}") from None
+    try:
+        handler.validate(task)
+    except ValidationError as exc:
+        message = exc.message
+        raise ValidationError(task_at + message[4:] if message.startswith("task.") else
+                              f"{task_at}: {message}") from None
+    if models and sampling.model is None and len(models) > 1:
+        raise ValidationError(f"{at}sampling.model is required when several models are served; "
+                              f"choose one of {models}")
+    if models and sampling.model is not None and sampling.model not in models:
+        raise ValidationError(f"{at}sampling.model {sampling.model!r} is not served; registered models: {models}")
+    if agent.tools is not None:
+        offered = handler.offered_tools(task)
+        unknown = sorted(set(agent.tools) - set(offered))
+        if unknown:
+            raise ValidationError(f"{at}agent.tools {unknown} are not offered by domain {handler.name!r}"
+                                  f"{f' ({task_at})' if where or task_at != 'task' else ''}; "
+                                  f"it offers {list(offered)}")
+    if agent.tool_parser not in PARSERS:
+        raise ValidationError(f"{at}agent.tool_parser {agent.tool_parser!r} is unknown; "
+                              f"valid: {', '.join(sorted(PARSERS))}")
+
+
+def served_models(jobs: JobStore) -> list[str]:
+    return BackendPool(jobs.redis).models()
+
+
+def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """``make()``'s response, or the one stored under this request's Idempotency-Key (then True)."""
+    key = request.headers.get("Idempotency-Key")
+    if key and (previous := store().claim_idempotency_key(f"{scope}{key}")) is not None:
+        return previous, True
+    response = make()
+    if key:
+        store().record_idempotent_response(f"{scope}{key}", response)
+    return response, False
+
+
+def enqueue(job_ids: list[str]) -> None:
+    from workers import dispatch
+
+    dispatch.enqueue_jobs(job_ids)
+
+
+# -- routes -----------------------------------------------------------------------------
+@route(blueprint, "post", "/v1/jobs", "Submit a task (n > 1: a GRPO group of n rollouts)",
+       request=JobRequest, response=SubmitResponse, status=202, idempotent=True, errors=(400, 409))
+def submit() -> Response:
+    job = JobRequest.model_validate(body())
+    check_job(job.task, job.sampling, job.agent, served_models(store()))
+
+    def make() -> dict[str, Any]:
+        job_ids, group_id = store().create_jobs(job)
+        enqueue(job_ids)
+        return {"job_ids": job_ids, "group_id": group_id}
+
+    return reply(idempotent("", make)[0], 202)
+
+
+@route(blueprint, "post", "/v1/jobs/bulk", "Submit many jobs in one request (answers in order)",
+       request=BulkJobRequest, response=BulkSubmitResponse, status=202, idempotent=True, errors=(400, 409))
+def submit_bulk() -> Response:
+    bulk = BulkJobRequest.model_validate(body())
+    models = served_models(store())
+    for i, job in enumerate(bulk.jobs):
+        check_job(job.task, job.sampling, job.agent, models, where=f"jobs[{i}]")
+
+    def make() -> dict[str, Any]:
+        created = store().create_many(bulk.jobs)
+        enqueue([job_id for job_ids, _ in created for job_id in job_ids])
+        return {"submissions": [{"job_ids": job_ids, "group_id": gid} for job_ids, gid in created]}
+
+    return reply(idempotent("bulk:", make)[0], 202)
+
+
+@route(blueprint, "post", "/v1/jobs/wait",
+       "Long-poll until min_finished of the jobs are terminal, or timeout_s passed",
+       request=WaitRequest, response=WaitResponse, errors=(400, 404))
+def wait_jobs() -> Response:
+    req = WaitRequest.model_validate(body())
+    job_ids = list(dict.fromkeys(req.job_ids))
+    need = min(req.min_finished, len(job_ids))
+    jobs = store()
+    deadline = time.monotonic() + req.timeout_s
+    pubsub = jobs.redis.pubsub(ignore_subscribe_messages=True)
+    try:
+        pubsub.subscribe(FINISHED_CHANNEL)  # before the first check: no end can slip between
+        first = True
+        while True:
+            statuses = jobs.statuses(job_ids)
+            if first:
+                unknown = [j for j, s in zip(job_ids, statuses) if s is None]
+                if unknown:
+                    jobs.views(unknown)  # raises the 404 that names them
+                first = False
+            finished = [j for j, s in zip(job_ids, statuses) if s in TERMINAL]
+            if len(finished) >= need or time.monotonic() >= deadline:
+                break
+            waiting = set(job_ids) - set(finished)
+            recheck_at = min(deadline, time.monotonic() + WAIT_RECHECK_S)
+            while (left := recheck_at - time.monotonic()) > 0:
+                message = pubsub.get_message(timeout=left)
+                if message and message["data"].decode() in waiting:
+                    break
+    finally:
+        pubsub.close()
+    done = set(finished)
+    views = jobs.views(finished)
+    return reply({"finished": [v.model_dump(mode="json") for v in views],
+                  "pending": [j for j in job_ids if j not in done]})
+
+
+@route(blueprint, "get", "/v1/jobs", "List jobs, newest first, with filters and a cursor",
+       response=JobList, query=(
+           Query("status", "string", "only jobs in this status", tuple(s.value for s in JobStatus)),
+           Query("group_id", "string", "only this group's jobs"),
+           Query("batch_id", "string", "only this batch's jobs"),
+           Query("limit", "integer", f"page size, 1..{MAX_LIST_JOBS} (default 100)"),
+           Query("cursor", "string", "the cursor of the previous page"),
+       ))
+def list_jobs() -> Response:
+    raw_status = request.args.get("status") or None
+    if raw_status is not None and raw_status not in JobStatus.__members__:
+        raise UnknownName("status", raw_status, JobStatus.__members__)
+    raw_cursor = request.args.get("cursor") or None
+    if raw_cursor is not None and not raw_cursor.isdigit():
+        raise ValidationError(f"cursor={raw_cursor!r} is not a cursor: pass the 'cursor' of the previous page")
+    views, cursor = store().list_jobs(
+        status=JobStatus(raw_status) if raw_status else None, group_id=request.args.get("group_id") or None,
+        batch_id=request.args.get("batch_id") or None, limit=int_arg("limit", 100, 1, MAX_LIST_JOBS),
+        cursor=int(raw_cursor) if raw_cursor else None)
+    return reply({"jobs": [v.model_dump(mode="json") for v in views],
+                  "cursor": None if cursor is None else str(cursor)})
+
+
+@route(blueprint, "post", "/v1/jobs/trajectories", "Many trajectories at once (msgpack recommended)",
+       request=JobIdsRequest, response=TrajectoriesResponse, errors=(400, 404))
+def trajectories() -> Response:
+    req = JobIdsRequest.model_validate(body())
+    job_ids = list(dict.fromkeys(req.job_ids))
+    blobs = store().raw_trajectories(job_ids)
+    if wants_msgpack():  # splice the stored msgpack blobs in as they are: no unpack + repack
+        packer = msgpack.Packer(use_bin_type=True)
+        parts = [packer.pack_map_header(1), packer.pack("trajectories"), packer.pack_map_header(len(job_ids))]
+        for job_id, blob in zip(job_ids, blobs):
+            parts += [packer.pack(job_id), blob if blob is not None else packer.pack(None)]
+        return Response(b"".join(parts), 200, mimetype=MSGPACK)
+    return reply({"trajectories": {j: None if b is None else unpack(b) for j, b in zip(job_ids, blobs)}})
+
+
+@route(blueprint, "get", "/v1/jobs/{job_id}", "Job status, timings, reward, error, result",
+       response=JobView, errors=(404,))
+def get_job(job_id: str) -> Response:
+    return reply(store().view(job_id).model_dump(mode="json"))
+
+
+@route(blueprint, "get", "/v1/jobs/{job_id}/trajectory", "The token-level trajectory",
+       response=Trajectory, errors=(404,))
+def get_trajectory(job_id: str) -> Response:
+    store().status(job_id)
+    return reply(store().get_blob(job_id, "trajectory"))
+
+
+@route(blueprint, "post", "/v1/jobs/{job_id}/cancel", "Cancel a job (cooperative)",
+       response=JobView, errors=(404,))
+def cancel(job_id: str) -> Response:
+    return reply(cancel_job(store(), job_id).model_dump(mode="json"))
+
+
+def cancel_job(jobs: JobStore, job_id: str) -> JobView:
+    """Cooperative cancel: flag it; a queued job ends here (its links revoked), a started one
+    at its next turn or stage start. Links of a started job are never revoked: a revoked
+    next stage would leave the job with no one to record its end."""
+    from workers import dispatch
+
+    if jobs.cancel(job_id):
+        dispatch.revoke_job(job_id)
+    return jobs.view(job_id)
+
+
+@route(blueprint, "post", "/v1/score", "Score a submission against a task, without an agent",
+       request=ScoreRequest, response=ScoreResponse, errors=(400, 504))
+def score() -> Response:
+    from workers import dispatch
+
+    req = ScoreRequest.model_validate(body())
+    check_job(req.task, Sampling(), AgentConfig(), [])
+    jobs = store()
+    score_id = new_id("score")
+    jobs.put_blob(score_id, "score-request", req.model_dump(mode="json"))
+    dispatch.submit_score(score_id)
+    timeout_s = settings().eval_timeout_s + 30
+    answer = jobs.pop_within(JobStore.key(score_id, "score-result"), timeout_s)
+    if answer is None:
+        raise ScoringTimeout(f"scoring did not finish within {timeout_s:.0f} s: are eval workers running "
+                             "(rollout-service worker eval), or is ROLLOUT_EVAL_TIMEOUT_S too low?")
+    result = json.loads(answer)
+    if "error" in result:
+        return reply(result, 400 if result["error"]["code"] in ("invalid_request", "task_error") else 500)
+    return reply(result)

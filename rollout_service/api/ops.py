@@ -1,0 +1,53 @@
+"""Operations: liveness, readiness, Prometheus metrics, the OpenAPI document and the viewer page."""
+from __future__ import annotations
+
+from importlib import resources
+
+import redis
+from flask import Blueprint, Response
+
+from rollout_service import metrics
+from rollout_service.api.common import reply, route, store
+from rollout_service.schemas import Health, Readiness
+
+blueprint = Blueprint("ops", __name__)
+
+
+@route(blueprint, "get", "/healthz", "The process is up", response=Health, public=True, errors=())
+def healthz() -> Response:
+    return reply({"status": "ok"})
+
+
+@route(blueprint, "get", "/readyz", "Redis reachable and every stage queue served by a worker",
+       response=Readiness, public=True, errors=(503,))
+def readyz() -> Response:
+    from workers import dispatch
+
+    try:
+        store().redis.ping()
+        served = dispatch.served_queues(store().redis)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        return reply({"ready": False, "redis": False, "reason": str(exc)}, 503)
+    missing = [q for q in dispatch.STAGES if q not in served]
+    body = {"ready": not missing, "redis": True, "queues": {q: q in served for q in dispatch.STAGES}}
+    return reply(body, 200 if not missing else 503)
+
+
+@route(blueprint, "get", "/metrics", "Prometheus metrics", public=True, errors=(),
+       content_type="text/plain")
+def prometheus() -> Response:
+    return Response(metrics.render(store().redis), mimetype="text/plain; version=0.0.4")
+
+
+@route(blueprint, "get", "/openapi.json", "This document", public=True, errors=())
+def openapi() -> Response:
+    from rollout_service.openapi import spec
+
+    return reply(spec())
+
+
+@route(blueprint, "get", "/ui/", "The trajectory viewer (a static page; its API calls carry the token)",
+       public=True, errors=(), content_type="text/html")
+def viewer() -> Response:
+    page = resources.files("rollout_service").joinpath("ui/index.html").read_text()
+    return Response(page, mimetype="text/html")

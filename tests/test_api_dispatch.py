@@ -1,0 +1,86 @@
+"""workers/dispatch.py against a real Redis broker: what it publishes is what it counts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def run_with_broker(redis_url: str, code: str, **settings_env: str) -> dict:
+    """Run ``code`` in a fresh process whose Celery app uses ``redis_url`` (no worker consumes it)."""
+    env = {**os.environ, **settings_env, "ROLLOUT_REDIS_URL": redis_url, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_enqueued_chains_are_counted_queued_then_unacked_once_delivered(redis_client, redis_url):
+    result = run_with_broker(redis_url, """
+        import json
+        import redis
+        from workers import dispatch
+        from workers.celery_app import app
+
+        broker = redis.Redis.from_url(app.conf.broker_url)
+        dispatch.enqueue_jobs(["job-a", "job-b", "job-c"])
+        dispatch.enqueue_from("job-d", "run")
+        before = dispatch.queue_lengths(broker)
+        with app.connection_for_read() as connection:  # a consumer takes one message and does not ack it
+            queue = connection.SimpleQueue("init", no_ack=False)
+            message = queue.get(timeout=5)
+            first = [message.headers["task"], message.headers["id"]]
+            after = dispatch.queue_lengths(broker)
+            message.requeue()
+            queue.close()
+        print(json.dumps({"before": before, "after": after, "first": first}))
+    """)
+    assert result["before"]["init"] == {"queued": 3, "unacked": 0}
+    assert result["before"]["run"] == {"queued": 1, "unacked": 0}
+    assert result["after"]["init"] == {"queued": 2, "unacked": 1}
+    assert result["first"] == ["workers.init.init_job", "job-a.init"]
+
+
+def test_served_queues_come_from_live_worker_heartbeats(redis_client, redis_url):
+    redis_client.set("rollout:worker:init@a", "init", ex=60)
+    redis_client.set("rollout:worker:pair@b", "run,eval", ex=60)
+    result = run_with_broker(redis_url, """
+        import json
+        import redis
+        from workers import dispatch
+        from workers.celery_app import app
+
+        print(json.dumps(sorted(dispatch.served_queues(redis.Redis.from_url(app.conf.broker_url)))))
+    """)
+    assert result == ["eval", "init", "run"]
+
+
+def test_scoring_meets_a_stalled_redis_as_a_transient_error_to_retry_not_an_internal_error(redis_client, redis_url):
+    result = run_with_broker(redis_url, """
+        import json, threading, time
+        import redis
+        from rollout_service.errors import StoreUnavailable
+        from workers.eval import score_submission
+        from workers.stage import job_store
+
+        store = job_store()
+        store.put_blob("score-stall", "score-request",
+                       {"task": {"domain": "math", "problem": "2+2", "answer": "4"}, "submission": {"answer": "4"}})
+        pauser = redis.Redis.from_url(store.settings.redis_url)
+        pauser.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+        try:
+            score_submission("score-stall")  # called directly: Celery re-raises what it would retry
+            outcome = "scored"
+        except StoreUnavailable as exc:
+            outcome = "transient: " + str(exc)[:60]
+        time.sleep(1.6)
+        stored = store.redis.lrange(store.key("score-stall", "score-result"), 0, -1)
+        score_submission("score-stall")  # Redis is back: the retry scores it
+        after = [json.loads(r) for r in store.redis.lrange(store.key("score-stall", "score-result"), 0, -1)]
+        print(json.dumps({"outcome": outcome, "stored_during_stall": len(stored), "after": after}))
+    """, ROLLOUT_REDIS_SOCKET_TIMEOUT_S="0.2", ROLLOUT_REDIS_RETRIES="0")
+    assert result["outcome"].startswith("transient: Redis is unreachable or not answering")
+    assert result["stored_during_stall"] == 0
+    assert result["after"] == [{"reward": 1.0, "details": result["after"][0]["details"]}]
