@@ -16,6 +16,7 @@ from pathlib import Path
 class Settings:
     redis_url: str = ""  # empty: an embedded redis-server under state_dir
     state_dir: str = "./.rollout"
+    bind_host: str = "127.0.0.1"  # gateway and Flower; 0.0.0.0 serves every interface (set ROLLOUT_API_TOKEN then)
     port: int = 8006
     flower_port: int = 5555
     reference_port: int = 8100
