@@ -293,12 +293,25 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
+    import redis
+
     from rollout_service.sandbox import reap_expired
     from rollout_service.store import redis_client
 
-    reaped = reap_expired(redis_client(), None if args.all_hosts else _hostname())
-    print(json.dumps({"reaped": reaped}))
-    return 0
+    host = None if args.all_hosts else _hostname()
+    while True:
+        try:
+            reaped = reap_expired(redis_client(), host)
+        except redis.RedisError as exc:
+            if not args.every_s:
+                raise ConfigError(f"cannot reach Redis to reap: {exc}; check ROLLOUT_REDIS_URL") from exc
+            print(f"rollout-service reap: {exc}; retrying in {args.every_s} s", file=sys.stderr, flush=True)
+            reaped = []
+        if reaped or not args.every_s:
+            print(json.dumps({"reaped": reaped}), flush=True)
+        if not args.every_s:
+            return 0
+        time.sleep(args.every_s)
 
 
 def _hostname() -> str:
@@ -372,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"the job's {name} object (a task line's own {name} keys win)")
     reap = sub.add_parser("reap", help="kill sandboxes that outlived their expiry")
     reap.add_argument("--all-hosts", action="store_true")
+    reap.add_argument("--every-s", type=float, default=None, metavar="S",
+                      help="keep reaping every S seconds (a reaper beside the workers of a container)")
     return parser
 
 
