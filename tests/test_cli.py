@@ -3,15 +3,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 from celery import Celery
+
+from rollout_service.backends import BackendPool
+from rollout_service.redis_server import free_port
+from rollout_service.schemas import BackendSpec
 
 
 def rollout_service(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -121,3 +127,64 @@ def test_two_run_workers_on_one_host_get_distinct_node_names_and_honour_override
             worker.terminate()
         for worker in workers:
             worker.wait(30)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """IPv4 addresses with a socket listening on ``port`` (from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, local_port = local.split(":")
+        if state == "0A" and int(local_port, 16) == port:
+            found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
+    return found
+
+
+def processes_with(environment_entry: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and environment_entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and_stops_everything(
+        redis_url, redis_client, tiny_model_dir, tmp_path):
+    stale = BackendPool(redis_client).register(BackendSpec(
+        url=f"http://127.0.0.1:{free_port()}", kind="vllm", model="left-from-an-earlier-run"))
+    ports = {name: free_port() for name in ("PORT", "FLOWER_PORT", "REFERENCE_PORT")}
+    state = tmp_path / "state"
+    env = {**os.environ, **{f"ROLLOUT_{name}": str(port) for name, port in ports.items()},
+           "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_REFERENCE_MODEL":
+           str(tiny_model_dir), "ROLLOUT_GATEWAY_WORKERS": "1", "ROLLOUT_RUN_CONCURRENCY": "2"}
+    env.pop("ROLLOUT_BIND_HOST", None)
+    env.pop("ROLLOUT_API_TOKEN", None)
+    up = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--run-workers", "2"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 240
+        while not any("unhealthy backend" in line for line in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "".join(lines)
+            lines.append(up.stdout.readline())
+        banner = "".join(lines)
+        gateway = f"http://127.0.0.1:{ports['PORT']}"
+        assert "rollout-service is up" in banner and f"gateway    {gateway} " in banner
+        assert f"unhealthy backend {stale.id} {stale.url}" in banner
+        health = {b["id"]: b["healthy"] for b in httpx.get(f"{gateway}/v1/backends").json()["backends"]}
+        reference_id, = set(health) - {stale.id}
+        assert health == {stale.id: False, reference_id: True}
+        assert listening_addresses(ports["PORT"]) == {"127.0.0.1"}
+        assert listening_addresses(ports["FLOWER_PORT"]) == {"127.0.0.1"}
+        while len(run_workers := redis_client.keys("rollout:worker:run-*")) < 2:  # /readyz needs one
+            assert time.monotonic() < deadline, run_workers
+            time.sleep(0.3)
+        assert processes_with(f"ROLLOUT_STATE_DIR={state}")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    assert up.returncode == 0
+    assert processes_with(f"ROLLOUT_STATE_DIR={state}") == []
