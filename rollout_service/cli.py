@@ -181,7 +181,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
     supervisor = Supervisor(state / "logs", env)
     stop_now = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731
-    signal.signal(signal.SIGTERM, stop_now)
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's `cmd &` starts it ignored
+        signal.signal(stop_signal, stop_now)
     try:
         with_reference = not args.no_reference
         model_dir = Path(settings.reference_model) if settings.reference_model else None

@@ -163,7 +163,8 @@ def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and
     env.pop("ROLLOUT_BIND_HOST", None)
     env.pop("ROLLOUT_API_TOKEN", None)
     up = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--run-workers", "2"], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `up &` in a script
     try:
         lines: list[str] = []
         deadline = time.monotonic() + 240
@@ -184,7 +185,7 @@ def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and
             time.sleep(0.3)
         assert processes_with(f"ROLLOUT_STATE_DIR={state}")
     finally:
-        up.send_signal(signal.SIGTERM)
+        up.send_signal(signal.SIGINT)
         up.wait(60)
     assert up.returncode == 0
     assert processes_with(f"ROLLOUT_STATE_DIR={state}") == []
