@@ -91,3 +91,18 @@ def test_queue_depth_counts_messages_reserved_by_a_worker_but_not_started(redis_
             message.ack()
         assert queue_depths(redis_client)["run"] == (1, 0)
         queue.close()
+
+
+def test_a_job_delivered_three_times_to_run_counts_two_redeliveries_when_it_ends(redis_client):
+    from rollout_service.metrics import render
+    from rollout_service.metrics_recording import record_job_finished
+
+    record_job_finished(redis_client, {"status": "failed", "attempts_init": "1", "attempts_run": "3",
+                                       "created_at": "100", "init_start": "101", "init_end": "103"})
+    samples = [s for f in text_string_to_metric_families(render(redis_client)) for s in f.samples]
+    assert value(samples, "rollout_stage_redeliveries_total", stage="run") == 2
+    assert value(samples, "rollout_stage_redeliveries_total", stage="init") == 0
+    assert value(samples, "rollout_jobs_finished_total", status="failed", finish_reason="none") == 1
+    assert value(samples, "rollout_stage_duration_seconds_sum", stage="init") == 2
+    assert value(samples, "rollout_stage_duration_seconds_bucket", stage="queued", le="1.0") == 1
+    assert value(samples, "rollout_stage_duration_seconds_count", stage="run") == 0
