@@ -16,6 +16,7 @@ from typing import Any, Optional
 import httpx
 
 from rollout_service.errors import ConfigError, RolloutError
+from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
 
 WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
@@ -148,7 +149,7 @@ def register_reference(gateway: str, reference: str, model_dir: Path, settings: 
         raise ConfigError(f"registering the reference backend failed: {answer.status_code} {answer.text[:500]}")
 
 
-def probe_backends_at_start(redis_url: str) -> list[Any]:
+def probe_backends_at_start(redis_url: str) -> list[BackendView]:
     """Probe every registered backend until one probe round decides its health (backends left in
     Redis by an earlier run are marked unhealthy instead of showing ``healthy: true``)."""
     import redis
