@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := bubblewrap redis-server tmux chromium
+APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: up test bench install clean

@@ -8,13 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
 from rollout_service.errors import ConfigError, RolloutError
+from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
 
 WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
@@ -23,26 +25,59 @@ WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
     "eval": ("prefork", "eval_concurrency"),
     "control": ("threads", "control_concurrency"),
 }
+POOL_KINDS = ("threads", "gevent", "prefork")
+AUTOSCALING_POOLS = ("prefork", "gevent")  # Celery's thread pool cannot grow or shrink
+FAILED_STATUSES = ("failed", "timed_out", "cancelled")
 
 
-def gateway_command(settings: Settings, bind: str = "0.0.0.0") -> list[str]:
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Overrides of one worker's defaults (pool and concurrency from WORKER_POOLS and settings)."""
+    pool: Optional[str] = None
+    concurrency: Optional[int] = None
+    autoscale: Optional[tuple[int, int]] = None  # (max, min) processes or greenlets
+    hostname: Optional[str] = None  # Celery node name; default <queue>-<random>@<host>, unique per process
+
+
+def local_address(settings: Settings) -> str:
+    """Where this machine reaches what listens on ``bind_host``."""
+    return "127.0.0.1" if settings.bind_host in ("0.0.0.0", "::", "") else settings.bind_host
+
+
+def gateway_command(settings: Settings, bind: Optional[str] = None) -> list[str]:
     return [sys.executable, "-m", "gunicorn", "--workers", str(settings.gateway_workers),
-            "--threads", "8", "--bind", f"{bind}:{settings.port}", "--timeout", "120",
+            "--threads", "8", "--bind", f"{bind or settings.bind_host}:{settings.port}", "--timeout", "120",
             "--graceful-timeout", "10", "rollout_service.gateway:create_app()"]
 
 
-def worker_command(settings: Settings, queue: str) -> list[str]:
+def worker_command(settings: Settings, queue: str, options: WorkerOptions = WorkerOptions()) -> list[str]:
     if queue not in WORKER_POOLS:
         raise ConfigError(f"unknown queue {queue!r}; valid: {', '.join(WORKER_POOLS)}")
-    pool, concurrency_field = WORKER_POOLS[queue]
+    default_pool, concurrency_field = WORKER_POOLS[queue]
+    pool = options.pool or default_pool
+    if pool not in POOL_KINDS:
+        raise ConfigError(f"unknown pool {pool!r}; valid: {', '.join(POOL_KINDS)}")
+    if pool == "gevent":
+        import importlib.util
+
+        if importlib.util.find_spec("gevent") is None:
+            raise ConfigError("--pool gevent needs the gevent package: pip install gevent, or use --pool threads")
+    if options.autoscale and pool not in AUTOSCALING_POOLS:
+        raise ConfigError(f"--autoscale needs a pool that can grow ({', '.join(AUTOSCALING_POOLS)}), "
+                          f"not {pool!r}: add --pool prefork, or give a fixed --concurrency instead")
+    if options.autoscale:
+        sizing = ["--autoscale", f"{options.autoscale[0]},{options.autoscale[1]}"]
+    else:
+        sizing = ["-c", str(options.concurrency or getattr(settings, concurrency_field))]
+    hostname = options.hostname or f"{queue}-{uuid.uuid4().hex[:6]}@%h"
     return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queue,
-            "-P", pool, "-c", str(getattr(settings, concurrency_field)), "-n", f"{queue}@%h",
+            "-P", pool, *sizing, "-n", hostname,
             "--loglevel", "INFO", "-E", "--without-gossip", "--without-mingle"]
 
 
 def flower_command(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower",
-            f"--port={settings.flower_port}", "--address=0.0.0.0"]
+            f"--port={settings.flower_port}", f"--address={settings.bind_host}"]
 
 
 def reference_command(settings: Settings, model_dir: Path) -> list[str]:
@@ -106,6 +141,31 @@ def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int,
     raise ConfigError(f"{url} did not become ready within {timeout_s:.0f} s; see logs in {supervisor.log_dir}")
 
 
+def register_reference(gateway: str, reference: str, model_dir: Path, settings: Settings) -> None:
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    answer = httpx.post(f"{gateway}/v1/backends", headers=headers, timeout=10, json={
+        "url": reference, "kind": "reference", "model": "tiny", "tokenizer": str(model_dir)})
+    if not answer.is_success:
+        raise ConfigError(f"registering the reference backend failed: {answer.status_code} {answer.text[:500]}")
+
+
+def probe_backends_at_start(redis_url: str) -> list[BackendView]:
+    """Probe every registered backend until one probe round decides its health (backends left in
+    Redis by an earlier run are marked unhealthy instead of showing ``healthy: true``)."""
+    import redis
+
+    from rollout_service.backends import FAILURES_TO_UNHEALTHY, BackendPool
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pool = BackendPool(client)
+        for _ in range(FAILURES_TO_UNHEALTHY):
+            pool.probe()
+        return pool.list()
+    finally:
+        client.close()
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from rollout_service.redis_server import RedisServer
     from rollout_service.tiny_model import build_tiny_model
@@ -122,35 +182,48 @@ def cmd_up(args: argparse.Namespace) -> int:
     env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
     supervisor = Supervisor(state / "logs", env)
     stop_now = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731
-    signal.signal(signal.SIGTERM, stop_now)
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's `cmd &` starts it ignored
+        signal.signal(stop_signal, stop_now)
     try:
+        with_reference = not args.no_reference
         model_dir = Path(settings.reference_model) if settings.reference_model else None
-        if model_dir is None and not args.no_reference:
+        if model_dir is None and with_reference:
             print("building the tiny reference model (once) ...", flush=True)
             model_dir = build_tiny_model(state / "models" / "tiny")
-        if model_dir is not None and not args.no_reference:
+        if with_reference:
             supervisor.start("reference", reference_command(settings, model_dir))
         supervisor.start("gateway", gateway_command(settings))
         for queue in WORKER_POOLS:
-            supervisor.start(f"worker-{queue}", worker_command(settings, queue))
+            copies = args.run_workers if queue == "run" else 1
+            for index in range(copies):
+                suffix = f"-{index + 1}" if copies > 1 else ""
+                supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
         supervisor.start("flower", flower_command(settings))
-        gateway = f"http://127.0.0.1:{settings.port}"
+        address = local_address(settings)
+        gateway = f"http://{address}:{settings.port}"
+        reference = f"http://127.0.0.1:{settings.reference_port}"
         wait_http(f"{gateway}/healthz", supervisor, 60)
-        if model_dir is not None and not args.no_reference:
-            reference = f"http://127.0.0.1:{settings.reference_port}"
+        if with_reference:
             wait_http(f"{reference}/health", supervisor, 120)
-            headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-            httpx.post(f"{gateway}/v1/backends", headers=headers, timeout=10, json={
-                "url": reference, "kind": "reference", "model": "tiny", "tokenizer": str(model_dir)},
-            ).raise_for_status()
+            register_reference(gateway, reference, model_dir, settings)
+        backends = probe_backends_at_start(redis_url)
+        if with_reference and not any(b.url == reference and b.healthy for b in backends):
+            raise ConfigError(f"the reference backend {reference} is not registered as healthy; "
+                              f"see {supervisor.log_dir / 'reference.log'}")
         wait_http(f"{gateway}/readyz", supervisor, 120)
-        wait_http(f"http://127.0.0.1:{settings.flower_port}/healthcheck", supervisor, 60)
+        wait_http(f"http://{address}:{settings.flower_port}/healthcheck", supervisor, 60)
+        unhealthy = [b for b in backends if not b.healthy]
+        everywhere = " (every interface)" if address != settings.bind_host else ""
         print(f"rollout-service is up (Ctrl-C stops everything)\n"
-              f"  gateway    {gateway}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
-              f"  flower     http://127.0.0.1:{settings.flower_port}\n"
-              f"  reference  http://127.0.0.1:{settings.reference_port}  (model 'tiny')\n"
+              f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
+              f"  flower     http://{address}:{settings.flower_port}{everywhere}\n"
+              + (f"  reference  {reference}  (model 'tiny', registered and healthy)\n" if with_reference else "")
+              + f"  workers    init, run x{args.run_workers}, eval, control\n"
               f"  redis      {redis_url}\n"
               f"  logs       {supervisor.log_dir}", flush=True)
+        for b in unhealthy:
+            print(f"  unhealthy backend {b.id} {b.url} (model {b.model!r}) does not answer /health; "
+                  f"remove it with DELETE {gateway}/v1/backends/{b.id}", flush=True)
         while True:
             supervisor.check()
             time.sleep(1)
@@ -168,6 +241,15 @@ def cmd_exec(command: list[str]) -> int:
     return 1  # unreachable
 
 
+def job_fields(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The job fields given on the command line (each task line may override them)."""
+    sampling = dict(args.sampling or {})
+    if args.model:
+        sampling["model"] = args.model
+    fields = {"sampling": sampling, "agent": args.agent, "timeouts": args.timeouts}
+    return {name: value for name, value in fields.items() if value}
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -181,12 +263,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 tasks.append(json.loads(line))
             except ValueError as exc:
                 raise ConfigError(f"{args.file}:{number} is not JSON: {exc}") from exc
-    url = args.url or f"http://127.0.0.1:{settings.port}"
+    defaults = job_fields(args)
+    url = args.url or f"http://{local_address(settings)}:{settings.port}"
     out = open(args.output, "w") if args.output else sys.stdout
     with RolloutClient(url, token=settings.api_token or None) as client:
         job_ids = []
         for spec in tasks:
-            body = spec if "task" in spec else {"task": spec}
+            body = dict(spec) if "task" in spec else {"task": spec}
+            for name, value in defaults.items():
+                body[name] = {**value, **(body.get(name) or {})}
             job_ids += client.submit(body.pop("task"), n=args.n, **body).job_ids
         bar = tqdm(total=len(job_ids), unit="job", file=sys.stderr)
 
@@ -200,16 +285,35 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"{len(views)} jobs: " + ", ".join(f"{s} {sum(v.status.value == s for v in views)}"
           for s in sorted({v.status.value for v in views})) +
           (f"; mean reward {sum(rewards) / len(rewards):.3f}" if rewards else ""), file=sys.stderr)
-    return 0
+    unsuccessful = [v for v in views if v.status.value in FAILED_STATUSES]
+    for view in unsuccessful[:20]:
+        reason = f"{view.error.code}: {view.error.message}" if view.error else view.finish_reason or ""
+        print(f"  {view.job_id} {view.status.value} {reason}", file=sys.stderr)
+    if len(unsuccessful) > 20:
+        print(f"  ... and {len(unsuccessful) - 20} more", file=sys.stderr)
+    return 1 if unsuccessful else 0
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
+    import redis
+
     from rollout_service.sandbox import reap_expired
     from rollout_service.store import redis_client
 
-    reaped = reap_expired(redis_client(), None if args.all_hosts else _hostname())
-    print(json.dumps({"reaped": reaped}))
-    return 0
+    host = None if args.all_hosts else _hostname()
+    while True:
+        try:
+            reaped = reap_expired(redis_client(), host)
+        except redis.RedisError as exc:
+            if not args.every_s:
+                raise ConfigError(f"cannot reach Redis to reap: {exc}; check ROLLOUT_REDIS_URL") from exc
+            print(f"rollout-service reap: {exc}; retrying in {args.every_s} s", file=sys.stderr, flush=True)
+            reaped = []
+        if reaped or not args.every_s:
+            print(json.dumps({"reaped": reaped}), flush=True)
+        if not args.every_s:
+            return 0
+        time.sleep(args.every_s)
 
 
 def _hostname() -> str:
@@ -218,26 +322,73 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.7}}'")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}: {text}")
+    return value
+
+
+def autoscale_range(text: str) -> tuple[int, int]:
+    try:
+        high, low = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MAX,MIN (two integers, e.g. 16,2)") from None
+    if not 0 <= low <= high or high == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: need MAX >= MIN >= 0 and MAX > 0")
+    return high, low
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start redis, gateway, workers, flower and the reference backend")
     up.add_argument("--redis-port", type=int, default=None, help="port of the embedded redis (default: free)")
     up.add_argument("--no-reference", action="store_true", help="do not start the reference backend")
+    up.add_argument("--run-workers", type=positive_int, default=1, metavar="N",
+                    help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY threads)")
     sub.add_parser("gateway", help="serve the HTTP gateway under gunicorn")
     worker = sub.add_parser("worker", help="run the Celery worker pool of one queue")
     worker.add_argument("queue", choices=sorted(WORKER_POOLS))
+    worker.add_argument("--pool", choices=POOL_KINDS, default=None, help="default: threads, prefork for eval")
+    sizing = worker.add_mutually_exclusive_group()
+    sizing.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
+                        help="default: ROLLOUT_<QUEUE>_CONCURRENCY")
+    sizing.add_argument("--autoscale", type=autoscale_range, default=None, metavar="MAX,MIN",
+                        help="grow and shrink between MIN and MAX (prefork or gevent pools)")
+    worker.add_argument("--hostname", default=None, metavar="NAME",
+                        help="Celery node name (default <queue>-<random>@<host>, unique per process)")
     sub.add_parser("flower", help="serve Flower (Celery monitoring)")
     sub.add_parser("reference-server", help="serve a HF model or a script over the vLLM/SGLang token APIs",
                    add_help=False)
-    submit = sub.add_parser("submit", help="submit a JSONL file of tasks and wait for them")
+    submit = sub.add_parser("submit", help="submit a JSONL file of tasks and wait for them; exit 1 if any "
+                                           "job failed, timed out or was cancelled")
     submit.add_argument("file")
-    submit.add_argument("--n", type=int, default=1, help="rollouts per task (a GRPO group)")
+    submit.add_argument("--n", type=positive_int, default=1, help="rollouts per task (a GRPO group)")
     submit.add_argument("--url", default=None, help="gateway URL (default: localhost:ROLLOUT_PORT)")
     submit.add_argument("--output", default=None, help="write one JSON job view per line here")
     submit.add_argument("--timeout-s", type=float, default=3600.0)
+    submit.add_argument("--model", default=None, help="sampling.model: the backend pool to use")
+    for name in ("sampling", "agent", "timeouts"):
+        submit.add_argument(f"--{name}", type=json_object, default=None, metavar="JSON",
+                            help=f"the job's {name} object (a task line's own {name} keys win)")
     reap = sub.add_parser("reap", help="kill sandboxes that outlived their expiry")
     reap.add_argument("--all-hosts", action="store_true")
+    reap.add_argument("--every-s", type=float, default=None, metavar="S",
+                      help="keep reaping every S seconds (a reaper beside the workers of a container)")
     return parser
 
 
@@ -255,7 +406,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "gateway":
             return cmd_exec(gateway_command(settings))
         if args.command == "worker":
-            return cmd_exec(worker_command(settings, args.queue))
+            options = WorkerOptions(args.pool, args.concurrency, args.autoscale, args.hostname)
+            return cmd_exec(worker_command(settings, args.queue, options))
         if args.command == "flower":
             return cmd_exec(flower_command(settings))
         if args.command == "submit":

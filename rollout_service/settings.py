@@ -19,6 +19,7 @@ class Settings:
     redis_connect_timeout_s: float = 3.0
     redis_retries: int = 3  # per command, exponential backoff, on connection errors and timeouts
     state_dir: str = "./.rollout"
+    bind_host: str = "127.0.0.1"  # gateway and Flower; 0.0.0.0 serves every interface (set ROLLOUT_API_TOKEN then)
     port: int = 8006
     flower_port: int = 5555
     reference_port: int = 8100

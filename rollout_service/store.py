@@ -18,6 +18,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
+from rollout_service.metrics_recording import record_job_finished
 from rollout_service.schemas import (
     TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Prepared, Timings, Trajectory,
 )
@@ -372,6 +373,8 @@ class JobStore:
         result = self._call(self._transition, keys=[self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args=args)
         if result == -1:
             raise NotFound(f"no job {job_id!r}: it never existed or its TTL expired")
+        if result == 1 and to in TERMINAL_STATUSES:
+            record_job_finished(self.redis, self.fields(job_id))
         return result == 1
 
     def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,

@@ -10,6 +10,7 @@ from celery import Task
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool
 from rollout_service.llm import PooledLLM
+from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.tasks import get_handler, restore_workspace
@@ -78,6 +79,7 @@ def run_episode(ctx: StageContext) -> None:
             sandbox.stop()
         llm.release()
     trajectory = episode.trajectory
+    record_episode(store.redis, trajectory, sandbox.boot_s if sandbox is not None else None)
     store.put_blob(job_id, "artifact", artifact)
     last_backend = next((t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None)
     store.set_fields(job_id, finish_reason=trajectory.finish_reason.value, backend_id=last_backend,

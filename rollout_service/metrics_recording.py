@@ -1,0 +1,119 @@
+"""Counters and histograms kept in Redis, so every gateway and worker process adds to the same
+numbers. Each recording is ONE pipelined write: once per finished job and once per episode,
+never per turn. ``metrics.render`` turns them into Prometheus text.
+
+``rollout:metrics:counters`` holds ``<name>|<labels>`` -> count; ``rollout:metrics:histograms``
+holds ``<name>|<labels>|<le>`` -> observations in that bucket alone (made cumulative when
+rendered), plus ``<name>|<labels>|sum`` and ``<name>|<labels>|count``.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+import redis
+
+log = logging.getLogger(__name__)
+
+COUNTERS_KEY = "rollout:metrics:counters"
+HISTOGRAMS_KEY = "rollout:metrics:histograms"
+
+
+@dataclass(frozen=True)
+class Histogram:
+    name: str
+    help: str
+    buckets: tuple[float, ...]
+
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+            600.0, 1800.0, 3600.0)
+HISTOGRAMS = {h.name: h for h in (
+    Histogram("rollout_stage_duration_seconds",
+              "Time of a job in each stage (queued = all waits for a worker, summed), at job end.", _SECONDS),
+    Histogram("rollout_llm_call_seconds", "Latency of one LLM call (a generation turn).", _SECONDS),
+    Histogram("rollout_tool_seconds",
+              "Time from a turn's parsed tool calls to its observation (all tool calls of the turn).", _SECONDS),
+    Histogram("rollout_sandbox_boot_seconds", "Sandbox start to its first answer.", _SECONDS),
+)}
+COUNTERS = {
+    "rollout_jobs_finished": "Jobs that reached a terminal state, by status and finish_reason.",
+    "rollout_stage_redeliveries": "Deliveries of a stage beyond the first (worker lost), counted at job end.",
+}
+
+
+def labels_text(labels: Mapping[str, str]) -> str:
+    def escape(value: str) -> str:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return ",".join(f'{key}="{escape(str(value))}"' for key, value in labels.items())
+
+
+def bucket_of(histogram: Histogram, value: float) -> str:
+    return next((repr(le) for le in histogram.buckets if value <= le), "+Inf")
+
+
+def _observe(pipe: Any, name: str, values: Iterable[float], labels: Optional[Mapping[str, str]] = None) -> None:
+    values = [float(v) for v in values if v is not None]
+    if not values:
+        return
+    histogram, prefix = HISTOGRAMS[name], f"{name}|{labels_text(labels or {})}|"
+    for bucket, count in Counter(bucket_of(histogram, v) for v in values).items():
+        pipe.hincrby(HISTOGRAMS_KEY, prefix + bucket, count)
+    pipe.hincrbyfloat(HISTOGRAMS_KEY, prefix + "sum", sum(values))
+    pipe.hincrby(HISTOGRAMS_KEY, prefix + "count", len(values))
+
+
+def _count(pipe: Any, name: str, labels: Mapping[str, str], amount: int = 1) -> None:
+    assert name in COUNTERS, name
+    pipe.hincrby(COUNTERS_KEY, f"{name}|{labels_text(labels)}", amount)
+
+
+def _execute(pipe: Any, what: str) -> None:
+    try:
+        pipe.execute()
+    except redis.RedisError:  # a lost metric must never fail a job
+        log.warning("could not record %s metrics", what, exc_info=True)
+
+
+def _float(value: Optional[str]) -> Optional[float]:
+    return float(value) if value not in (None, "") else None
+
+
+def stage_durations(fields: Mapping[str, str]) -> dict[str, float]:
+    """queued/init/run/eval seconds of a job hash, as ``JobStore.view`` reports its timings."""
+    t = {k: _float(fields.get(k)) for k in (
+        "created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")}
+    waits = [(t["created_at"], t["init_start"]), (t["init_end"], t["run_start"]), (t["run_end"], t["eval_start"])]
+    queued = [b - a for a, b in waits if a is not None and b is not None]
+    spans = {"queued": sum(queued) if queued else None}
+    for stage in ("init", "run", "eval"):
+        start, end = t[f"{stage}_start"], t[f"{stage}_end"]
+        spans[stage] = end - start if start is not None and end is not None else None
+    return {stage: seconds for stage, seconds in spans.items() if seconds is not None}
+
+
+def record_job_finished(client: redis.Redis, fields: Mapping[str, str]) -> None:
+    """At a job's terminal transition, with its hash: status, finish_reason, stage times, redeliveries."""
+    pipe = client.pipeline(transaction=False)
+    _count(pipe, "rollout_jobs_finished", {"status": fields.get("status") or "unknown",
+                                           "finish_reason": fields.get("finish_reason") or "none"})
+    for stage, seconds in stage_durations(fields).items():
+        _observe(pipe, "rollout_stage_duration_seconds", [seconds], {"stage": stage})
+    for stage in ("init", "run", "eval"):
+        extra = int(fields.get(f"attempts_{stage}") or 0) - 1
+        if extra > 0:
+            _count(pipe, "rollout_stage_redeliveries", {"stage": stage}, extra)
+    _execute(pipe, "job")
+
+
+def record_episode(client: redis.Redis, trajectory: Any, sandbox_boot_s: Optional[float]) -> None:
+    """After an episode: every LLM call's and tool turn's latency from the trajectory, and the boot."""
+    pipe = client.pipeline(transaction=False)
+    turns = trajectory.turns
+    _observe(pipe, "rollout_llm_call_seconds", [t.latency_s for t in turns if t.kind == "generation"])
+    _observe(pipe, "rollout_tool_seconds", [t.latency_s for t in turns if t.kind == "observation"])
+    _observe(pipe, "rollout_sandbox_boot_seconds", [sandbox_boot_s] if sandbox_boot_s is not None else [])
+    _execute(pipe, "episode")
