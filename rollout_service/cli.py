@@ -20,7 +20,7 @@ from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
 
 WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
-    "init": ("threads", "init_concurrency"),
+    "init": ("gevent", "init_concurrency"),
     "run": ("gevent", "run_concurrency"),
     "eval": ("prefork", "eval_concurrency"),
     "control": ("threads", "control_concurrency"),
@@ -72,7 +72,8 @@ def worker_command(settings: Settings, queue: str, options: WorkerOptions = Work
     hostname = options.hostname or f"{queue}-{uuid.uuid4().hex[:6]}@%h"
     return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queue,
             "-P", pool, *sizing, "-n", hostname,
-            "--loglevel", "INFO", "-E", "--without-gossip", "--without-mingle"]
+            "--loglevel", settings.worker_log_level, *(["-E"] if settings.task_events else []),
+            "--without-gossip", "--without-mingle"]
 
 
 def flower_command(settings: Settings) -> list[str]:

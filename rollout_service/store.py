@@ -447,6 +447,13 @@ class JobStore:
             self._renew_lease(keys=[self.key(job_id, "lease")], args=[owner, ttl_ms], client=pipe)
         self._execute(pipe)
 
+    def put_blobs(self, job_id: str, **blobs: Any) -> None:
+        """Several blobs of one job in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name, obj in blobs.items():
+            pipe.set(self.key(job_id, name), pack(obj), ex=self.settings.job_ttl_s)
+        self._execute(pipe)
+
     def get_blobs(self, job_id: str, *names: str) -> list[Any]:
         """Several blobs of one job in one round trip (NotFound names the first missing one)."""
         values = self._call(self.redis.mget, [self.key(job_id, name) for name in names])

@@ -13,6 +13,7 @@ text after the probe's last end-of-turn token.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import threading
@@ -29,6 +30,7 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
 )
 
 
+PROMPT_CACHE_SIZE = 512
 _loading = threading.RLock()  # transformers' lazy imports are not thread-safe on first use
 
 
@@ -95,6 +97,8 @@ class ChatRenderer:
                 "tokenizer_config.json / chat_template.jinja"
             )
         self.tokenizer = tokenizer
+        self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._prompts_lock = threading.Lock()
         probe = self.render_text(list(PROBE_CONVERSATION))
         after_content = probe[probe.rindex(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT):]
         self.end_of_turn, self.turn_closing = self._find_end_of_turn(after_content)
@@ -139,7 +143,17 @@ class ChatRenderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def initial_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+        """The rendered first prompt; the rollouts of a group share one rendering (cached)."""
+        key = json.dumps([messages, tools], sort_keys=True)
+        with self._prompts_lock:
+            ids = self._prompts.get(key)
+        if ids is None:
+            ids = self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+            with self._prompts_lock:
+                self._prompts[key] = ids
+                while len(self._prompts) > PROMPT_CACHE_SIZE:
+                    self._prompts.popitem(last=False)
+        return list(ids)
 
     def observation_text(self, messages: list[dict[str, Any]]) -> str:
         """The text the template puts after a closed assistant turn for ``messages``,

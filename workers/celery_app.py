@@ -37,8 +37,8 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         task_default_queue="control",
-        worker_send_task_events=True,
-        task_send_sent_event=True,
+        worker_send_task_events=settings.task_events,
+        task_send_sent_event=False,  # one more broker round trip per publish; Flower starts at "received"
         worker_hijack_root_logger=False,
     )
     return app

@@ -8,7 +8,7 @@ import redis
 from celery import Task
 
 from rollout_service.errors import RolloutError, StoreUnavailable
-from rollout_service.schemas import JobStatus, ScoreRequest
+from rollout_service.schemas import JobRequest, JobStatus, ScoreRequest
 from rollout_service.tasks import get_handler
 from workers import dispatch
 from workers.celery_app import app
@@ -24,13 +24,11 @@ def eval_job(self: Task, job_id: str) -> None:
 
 def score_job(ctx: StageContext) -> None:
     store, job_id = ctx.store, ctx.job_id
-    request = store.request(job_id)
-    artifact = store.get_blob(job_id, "artifact")
+    raw_request, artifact, trajectory = store.get_blobs(job_id, "request", "artifact", "trajectory")
+    request = JobRequest.model_validate(raw_request)
     scored = get_handler(request.task["domain"]).score(request.task, artifact)
-    trajectory = store.trajectory(job_id)
-    trajectory.reward = scored.reward
-    store.put_trajectory(job_id, trajectory)
-    store.put_blob(job_id, "result", {"artifact": artifact, "details": scored.details})
+    trajectory["reward"] = scored.reward  # the stored document as run wrote it, ids untouched
+    store.put_blobs(job_id, trajectory=trajectory, result={"artifact": artifact, "details": scored.details})
     store.set_fields(job_id, eval_end=time.time())
     store.finish(job_id, JobStatus.completed, reward=scored.reward)
 

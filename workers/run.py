@@ -80,7 +80,7 @@ def run_episode(ctx: StageContext) -> None:
         llm.release()
     trajectory = episode.trajectory
     record_episode(store.redis, trajectory, sandbox.boot_s if sandbox is not None else None)
-    store.put_blob(job_id, "artifact", artifact)
+    store.put_blobs(job_id, artifact=artifact)
     last_backend = next((t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None)
     store.set_fields(job_id, finish_reason=trajectory.finish_reason.value, backend_id=last_backend,
                      run_end=time.time())
