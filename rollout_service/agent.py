@@ -86,7 +86,8 @@ class Agent:
             parsed = self.parser.parse(text)
             record.messages.append({"role": "assistant", "content": text})
             if not parsed.calls and not parsed.errors:
-                return self._end(FinishReason.no_tool_call, final_text=text)
+                cut = record.turns[-1].finish_reason == "length"  # max_new_tokens ended it, not the model
+                return self._end(FinishReason.length if cut else FinishReason.no_tool_call, final_text=text)
             started = time.monotonic()
             observations = [{"role": "tool", "content": e} for e in parsed.errors]
             for call in parsed.calls:

@@ -30,6 +30,7 @@ TERMINAL_STATUSES = frozenset(
 class FinishReason(str, Enum):
     finished = "finished"
     no_tool_call = "no_tool_call"
+    length = "length"  # the last generation hit max_new_tokens before a tool call or finish
     max_turns = "max_turns"
     context_length = "context_length"
     deadline = "deadline"
@@ -39,7 +40,7 @@ class FinishReason(str, Enum):
 
 
 TRUNCATING_REASONS = frozenset(
-    {FinishReason.max_turns, FinishReason.context_length, FinishReason.deadline,
+    {FinishReason.length, FinishReason.max_turns, FinishReason.context_length, FinishReason.deadline,
      FinishReason.stale, FinishReason.cancelled, FinishReason.error}
 )
 

@@ -77,6 +77,18 @@ def test_the_context_limit_ends_the_episode_cleanly_and_truncated(client, script
     assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url))
 
 
+def test_a_generation_cut_by_max_new_tokens_ends_the_episode_as_length_and_truncated(client, scripted_backend):
+    problem = f"Rambling ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": ["Let me think " * 40]}]})
+    job_id, = client.submit(math_task(problem), sampling={"max_new_tokens": 16}).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+    assert view.status.value == "completed" and view.finish_reason.value == "length"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.truncated and trajectory.finish_reason.value == "length"
+    assert trajectory.turns[-1].finish_reason == "length" and len(trajectory.response_ids) == 16
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url))
+
+
 def test_max_turns_ends_the_episode_truncated(client, scripted_backend):
     problem = f"Loop ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": [tool_call("ipython", code="1")] * 5}]})

@@ -1,0 +1,51 @@
+"""Many rollouts at once through one run worker: all complete, all in flight together, all exact."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.fixtures_service import running_service
+from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log, tool_call
+
+ROLLOUTS = 200
+
+
+@pytest.mark.timeout(900)
+def test_two_hundred_concurrent_scripted_rollouts_all_complete_token_exact(tmp_path, scripted_server,
+                                                                          tiny_tokenizer_dir):
+    turns = [tool_call("nothing")] * 2 + [tool_call("finish", answer="\\boxed{4}")]
+    url = scripted_server({"episodes": [{"match": "scale-test", "turns": turns}]}, "--latency-s", "1.0")
+    with running_service(tmp_path / "service", ROLLOUT_RUN_CONCURRENCY=str(ROLLOUTS + 56),
+                         ROLLOUT_INIT_CONCURRENCY="32") as service, service.client() as client:
+        backend = client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
+        bodies = [{"task": {"domain": "math", "problem": f"scale-test #{i}: 2 + 2?", "answer": "4"},
+                   "agent": {"tools": ["finish"]}} for i in range(ROLLOUTS)]
+        in_flight: list[int] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            with service.client() as watcher:
+                while not stop.wait(0.2):
+                    try:
+                        in_flight.append(next(b.live_assignments for b in watcher.backends() if b.id == backend.id))
+                    except Exception:  # a slow answer under load: sample again
+                        continue
+
+        threading.Thread(target=watch, daemon=True).start()
+        job_ids = [j for s in client.submit_many(bodies) for j in s.job_ids]
+        views = client.wait(job_ids, timeout_s=600)
+        stop.set()
+
+        assert [v.status.value for v in views] == ["completed"] * ROLLOUTS, {v.error for v in views if v.error}
+        assert {v.reward for v in views} == {1.0} and {v.finish_reason.value for v in views} == {"finished"}
+        assert max(in_flight) >= ROLLOUTS * 3 // 4, f"at most {max(in_flight)} rollouts were in flight at once"
+        log = server_log(url)
+        by_prompt = {tuple(call["prompt_ids"]): call for call in log}
+        for trajectory in client.trajectories(job_ids[:: ROLLOUTS // 10]).values():
+            calls = [by_prompt[tuple(trajectory.prompt_ids + trajectory.response_ids[:t.start])]
+                     for t in trajectory.turns if t.kind == "generation"]
+            assert_trajectory_is_exactly_what_the_server_returned(trajectory, calls)
+        time.sleep(0.5)
+        assert next(b.live_assignments for b in client.backends() if b.id == backend.id) == 0
