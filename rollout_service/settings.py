@@ -19,7 +19,9 @@ class Settings:
     port: int = 8006
     flower_port: int = 5555
     reference_port: int = 8100
-    reference_model: str = ""  # empty: the tiny model built under state_dir
+    reference_model: str = ""  # "" or "tiny": the tiny model built under state_dir; "smollm2"; or a path
+    reference_max_batch_size: int = 32
+    reference_batch_window_ms: float = 5.0
     api_token: str = ""
     gateway_workers: int = 2
     init_concurrency: int = 2
