@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip-high", type=float, default=0.28, help="DAPO clip-higher")
     parser.add_argument("--micro-batch", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=1, help="1 is fastest on a shared 2-core machine")
     parser.add_argument("--out", type=Path, default=Path("grpo-run"))
     args = parser.parse_args(argv)
 
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     from rollout_service.models import resolve_reference_model
     from rollout_service.settings import get_settings
 
+    torch.set_num_threads(args.torch_threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -727,6 +727,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most concurrent requests generated as one batch")
     parser.add_argument("--batch-window-ms", type=float, default=settings.reference_batch_window_ms,
                         help="how long the first request of a batch waits for others to join")
+    parser.add_argument("--torch-threads", type=int, default=settings.reference_torch_threads,
+                        help="torch intra-op threads (0: torch's default, one per core)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     return parser
 
@@ -740,9 +742,13 @@ def build_engine(args: argparse.Namespace) -> ScriptEngine | ModelEngine:
             return ScriptEngine(script, args.tokenizer)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"cannot load script {args.script}: {exc}") from exc
+    import torch
+
     from rollout_service.models import resolve_reference_model
     from rollout_service.settings import get_settings
 
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
     model_dir = resolve_reference_model(args.model, get_settings().state_path)
     return ModelEngine(str(model_dir), args.tokenizer, args.max_batch_size, args.batch_window_ms / 1000.0)
 

@@ -22,6 +22,7 @@ class Settings:
     reference_model: str = ""  # "" or "tiny": the tiny model built under state_dir; "smollm2"; or a path
     reference_max_batch_size: int = 32
     reference_batch_window_ms: float = 5.0
+    reference_torch_threads: int = 1  # 2 threads on a busy 2-core machine were 5-20x slower than 1
     api_token: str = ""
     gateway_workers: int = 2
     init_concurrency: int = 2
