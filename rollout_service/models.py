@@ -114,3 +114,9 @@ def resolve_reference_model(name_or_path: str, state_dir: Path) -> Path:
             "nor a directory holding a Hugging Face model (config.json + weights)"
         )
     return path
+
+
+def reference_model_name(name_or_path: str) -> str:
+    """The backend ``model`` (pool) name to register the reference server under."""
+    name = name_or_path.strip() or "tiny"
+    return name if name in NAMED_MODELS else Path(name).expanduser().resolve().name

