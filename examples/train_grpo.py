@@ -95,7 +95,8 @@ def grpo_step(model: Any, optimizer: Any, groups: list[BatchGroup], clip_low: fl
 
 
 def push_weights(client: RolloutClient, model: Any, model_name: str, out_dir: Path, step: int) -> Path:
-    """Save, then pause → every backend of ``model_name`` loads from disk → resume(policy_version)."""
+    """Save, then pause → every backend of ``model_name`` loads from disk → resume(policy_version).
+    ``out_dir`` must be readable by the inference servers (same machine or a shared filesystem)."""
     directory = out_dir / f"step-{step}"
     model.save_pretrained(directory)
     client.pause(wait_s=60)
