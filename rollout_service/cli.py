@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import httpx
 
-from rollout_service.errors import ConfigError, RolloutError
+from rollout_service.errors import ConfigError
+from rollout_service.models import reference_model_name, resolve_reference_model, RolloutError
 from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
 
@@ -145,7 +146,8 @@ def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int,
 def register_reference(gateway: str, reference: str, model_dir: Path, settings: Settings) -> None:
     headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
     answer = httpx.post(f"{gateway}/v1/backends", headers=headers, timeout=10, json={
-        "url": reference, "kind": "reference", "model": "tiny", "tokenizer": str(model_dir)})
+        "url": reference, "kind": "reference", "model": reference_model_name(settings.reference_model),
+        "tokenizer": str(model_dir)})
     if not answer.is_success:
         raise ConfigError(f"registering the reference backend failed: {answer.status_code} {answer.text[:500]}")
 
@@ -169,7 +171,6 @@ def probe_backends_at_start(redis_url: str) -> list[BackendView]:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from rollout_service.redis_server import RedisServer
-    from rollout_service.tiny_model import build_tiny_model
 
     settings = get_settings()
     state = settings.state_path
@@ -187,11 +188,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(stop_signal, stop_now)
     try:
         with_reference = not args.no_reference
-        model_dir = Path(settings.reference_model) if settings.reference_model else None
-        if model_dir is None and with_reference:
-            print("building the tiny reference model (once) ...", flush=True)
-            model_dir = build_tiny_model(state / "models" / "tiny")
         if with_reference:
+            print(f"preparing the reference model {reference_model_name(settings.reference_model)!r} (once) ...",
+                  flush=True)
+            model_dir = resolve_reference_model(settings.reference_model, state)
             supervisor.start("reference", reference_command(settings, model_dir))
         supervisor.start("gateway", gateway_command(settings))
         for queue in WORKER_POOLS:
@@ -218,7 +218,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"rollout-service is up (Ctrl-C stops everything)\n"
               f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
               f"  flower     http://{address}:{settings.flower_port}{everywhere}\n"
-              + (f"  reference  {reference}  (model 'tiny', registered and healthy)\n" if with_reference else "")
+              + (f"  reference  {reference}  (model '{reference_model_name(settings.reference_model)}', registered and healthy)\n" if with_reference else "")
               + f"  workers    init, run x{args.run_workers}, eval, control\n"
               f"  redis      {redis_url}\n"
               f"  logs       {supervisor.log_dir}", flush=True)

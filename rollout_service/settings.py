@@ -23,7 +23,10 @@ class Settings:
     port: int = 8006
     flower_port: int = 5555
     reference_port: int = 8100
-    reference_model: str = ""  # empty: the tiny model built under state_dir
+    reference_model: str = ""  # "" or "tiny": the tiny model built under state_dir; "smollm2"; or a path
+    reference_max_batch_size: int = 32
+    reference_batch_window_ms: float = 5.0
+    reference_torch_threads: int = 1  # 2 threads on a busy 2-core machine were 5-20x slower than 1
     api_token: str = ""
     gateway_workers: int = 2
     init_concurrency: int = 32  # greenlets: init mostly waits on Redis and the file system
