@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import httpx
 
-from rollout_service.errors import ConfigError
-from rollout_service.models import reference_model_name, resolve_reference_model, RolloutError
+from rollout_service.errors import ConfigError, RolloutError
+from rollout_service.models import reference_model_name, resolve_reference_model
 from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
 
