@@ -79,7 +79,8 @@ def worker_command(settings: Settings, queue: str, options: WorkerOptions = Work
 
 def flower_command(settings: Settings) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower",
-            f"--port={settings.flower_port}", f"--address={settings.bind_host}"]
+            f"--port={settings.flower_port}", f"--address={settings.bind_host}",
+            f"--enable_events={settings.task_events}"]  # Flower would otherwise turn worker events back on
 
 
 def reference_command(settings: Settings, model_dir: Path) -> list[str]:

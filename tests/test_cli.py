@@ -97,7 +97,7 @@ def test_submit_rejects_option_json_with_exit_2_and_says_why(option, value, mess
 
 
 def test_worker_refuses_autoscale_on_a_pool_that_cannot_grow(redis_url):
-    done = rollout_service("worker", "run", "--autoscale", "8,2", env={**os.environ, "ROLLOUT_REDIS_URL": redis_url})
+    done = rollout_service("worker", "control", "--autoscale", "8,2", env={**os.environ, "ROLLOUT_REDIS_URL": redis_url})
     assert done.returncode == 2
     assert "--autoscale needs a pool that can grow (prefork, gevent), not 'threads'" in done.stderr
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from rollout_service.toolcalls import PARSERS
 
 blueprint = Blueprint("jobs", __name__)
 WAIT_RECHECK_S = 0.5
+WAIT_LINGER_S = 0.05  # once enough jobs ended, how long to wait for more ending at the same time
 TERMINAL = {s.value for s in TERMINAL_STATUSES}
 
 
@@ -128,25 +130,32 @@ def wait_jobs() -> Response:
     pubsub = jobs.redis.pubsub(ignore_subscribe_messages=True)
     try:
         pubsub.subscribe(FINISHED_CHANNEL)  # before the first check: no end can slip between
-        first = True
+        statuses = jobs.statuses(job_ids)
+        unknown = [j for j, s in zip(job_ids, statuses) if s is None]
+        if unknown:
+            jobs.views(unknown)  # raises the 404 that names them
+        waiting = {j for j, s in zip(job_ids, statuses) if s not in TERMINAL}
+        recheck_at = time.monotonic() + WAIT_RECHECK_S
+        linger_until = math.inf
+        # Ends arrive as messages (a job id each); all statuses are re-read only every
+        # WAIT_RECHECK_S as a fallback, so a wait on thousands of jobs costs O(ends), not O(n) per end.
         while True:
-            statuses = jobs.statuses(job_ids)
-            if first:
-                unknown = [j for j, s in zip(job_ids, statuses) if s is None]
-                if unknown:
-                    jobs.views(unknown)  # raises the 404 that names them
-                first = False
-            finished = [j for j, s in zip(job_ids, statuses) if s in TERMINAL]
-            if len(finished) >= need or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if len(job_ids) - len(waiting) >= need:
+                linger_until = min(linger_until, now + WAIT_LINGER_S)  # gather ends arriving together
+            if now >= min(deadline, linger_until):
                 break
-            waiting = set(job_ids) - set(finished)
-            recheck_at = min(deadline, time.monotonic() + WAIT_RECHECK_S)
-            while (left := recheck_at - time.monotonic()) > 0:
-                message = pubsub.get_message(timeout=left)
-                if message and message["data"].decode() in waiting:
-                    break
+            if now >= recheck_at:
+                ids = list(waiting)
+                waiting = {j for j, s in zip(ids, jobs.statuses(ids)) if s not in TERMINAL}
+                recheck_at = now + WAIT_RECHECK_S
+                continue
+            message = pubsub.get_message(timeout=max(min(deadline, linger_until, recheck_at) - now, 0.001))
+            if message:
+                waiting.discard(message["data"].decode())
     finally:
         pubsub.close()
+    finished = [j for j in job_ids if j not in waiting]
     done = set(finished)
     views = jobs.views(finished)
     return reply({"finished": [v.model_dump(mode="json") for v in views],
