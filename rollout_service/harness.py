@@ -18,7 +18,6 @@ import os
 import secrets
 import shlex
 import socketserver
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ import pydantic
 from rollout_service.agent import Episode, EpisodeInterrupted, Limits
 from rollout_service.api.common import validation_message
 from rollout_service.errors import HarnessFailed, RolloutError
-from rollout_service.sandbox.base import INNER_SOCKET_DIR, package_root
 from rollout_service.sandbox.harness_launcher import RESULT_MARKER
 from rollout_service.schemas import ChatCompletionRequest, FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
 from rollout_service.tokens import ChatRenderer
@@ -267,9 +265,10 @@ def new_api_key() -> str:
     return "rk-" + secrets.token_urlsafe(24)
 
 
-def launcher_command(harness: HarnessConfig, inner_dir: str, api_key: str, deadline_s: float) -> str:
+def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_key: str, deadline_s: float) -> str:
+    python, package_dir, inner_dir = inside
     env = {**harness.env, "OPENAI_API_KEY": api_key, "ROLLOUT_MESSAGES_FILE": f"{inner_dir}/{MESSAGES_FILE}"}
-    argv = [sys.executable, "-c", LAUNCH_BOOTSTRAP.format(path=package_root()),
+    argv = [python, "-c", LAUNCH_BOOTSTRAP.format(path=package_dir),
             "--socket", f"{inner_dir}/{ENDPOINT_SOCKET}", "--stop-file", f"{inner_dir}/{STOP_FILE}",
             "--answer-file", ANSWER_FILE, "--deadline-s", f"{deadline_s:.3f}", "--env-json", json.dumps(env),
             "--", *harness.command]
@@ -291,13 +290,12 @@ def run_harness(sandbox: Any, session: ChatSession, harness: HarnessConfig, mess
     """Serve the job's endpoint, run the harness in ``sandbox`` until it exits (or is stopped),
     and return the recorded trajectory and its answer."""
     socket_dir = sandbox.socket_dir
-    inner_dir = socket_dir if sandbox.kind == "local" else INNER_SOCKET_DIR
     with open(os.path.join(socket_dir, MESSAGES_FILE), "w") as f:
         json.dump(messages, f)
     os.chmod(os.path.join(socket_dir, MESSAGES_FILE), 0o644)
     server = EndpointServer(os.path.join(socket_dir, ENDPOINT_SOCKET), session)
     remaining_s = max(deadline_at - time.time(), 0.1)
-    command = launcher_command(harness, inner_dir, session.api_key, remaining_s)
+    command = launcher_command(harness, sandbox.inside(), session.api_key, remaining_s)
     done: dict[str, Any] = {}
 
     def execute() -> None:

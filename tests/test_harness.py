@@ -131,7 +131,7 @@ def test_cancelling_a_job_stops_its_harness(client, scripted_backend):
     job_id, = client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"},
                             agent={"harness": {"command": ["sleep", "600"]}}).job_ids
     deadline = time.time() + 60
-    while client.job(job_id).status.value != "running" and time.time() < deadline:
+    while client.get(job_id).status.value != "running" and time.time() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)  # the harness is up inside the sandbox
     client.cancel(job_id)
@@ -148,8 +148,8 @@ def test_cancelling_a_job_stops_its_harness(client, scripted_backend):
     ({"command": "python agent.py"}, "command"),
     ({"env": {}}, "command"),
 ])
-def test_a_harness_without_a_usable_command_is_refused_at_submission(client, harness, problem):
-    response = httpx.post(f"{client.base_url}/v1/jobs", json={
+def test_a_harness_without_a_usable_command_is_refused_at_submission(service, harness, problem):
+    response = httpx.post(f"{service.url}/v1/jobs", json={
         "task": {"domain": "math", "problem": "1 + 1?", "answer": "2"}, "agent": {"harness": harness}})
     assert response.status_code == 400
     assert f"agent.harness.{problem.split('[')[0]}" in response.json()["error"]["message"]
@@ -159,3 +159,35 @@ def test_the_chat_request_model_refuses_streaming():
     with pytest.raises(ValueError, match="streaming is not supported"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True})
     assert HarnessConfig(command=["python", "a.py"]).env == {}
+
+
+def test_a_harness_past_max_turns_is_told_the_rollout_is_over_and_the_episode_is_truncated(client, scripted_backend):
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [
+        tool_call("shell", command="echo one"), tool_call("shell", command="echo two"), "done"]}]})
+    job_id, = client.submit({"domain": "math", "problem": problem, "answer": "4"},
+                            agent={"max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}
+                            ).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+
+    assert view.status.value == "completed", view.error
+    assert view.finish_reason.value == "max_turns"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.truncated and [t.kind for t in trajectory.turns].count("generation") == 2
+
+
+def test_the_harness_endpoint_works_the_same_in_a_local_sandbox(tmp_path, scripted_server, tiny_tokenizer_dir):
+    from tests.fixtures_service import running_service
+
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    url = scripted_server({"episodes": [
+        {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
+        {"match": problem, "turns": [tool_call("shell", command="echo hi"), "The answer is \\boxed{4}."]}]})
+    with running_service(tmp_path, ROLLOUT_SANDBOX="local") as service, service.client() as local_client:
+        local_client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
+        job_id, = local_client.submit({"domain": "math", "problem": problem, "answer": "4"},
+                                      agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
+        view, = local_client.wait([job_id], timeout_s=120)
+        assert view.status.value == "completed", view.error
+        assert view.reward == 1.0
+        assert_segment_is_exactly_what_the_server_returned(local_client.trajectory(job_id), server_log(url)[:2])
