@@ -129,6 +129,10 @@ class ChatSession:
                 return 200, self.complete(request)
         except ChatError as exc:
             return exc.status, exc.body()
+        except Exception as exc:  # a bug: the job fails with it once the harness is stopped
+            self.failure = self.failure or exc
+            log.exception("openai endpoint failed")
+            return 500, ChatError(500, "internal_error", f"{type(exc).__name__}: {exc}").body()
 
     def complete(self, request: ChatCompletionRequest) -> dict[str, Any]:
         messages = [template_message(m, i) for i, m in enumerate(request.messages)]
