@@ -121,3 +121,9 @@ class ApiError(RolloutError):
 class ScoringTimeout(RolloutError):
     http_status = 504
     code = "score_timeout"
+
+
+class HarnessFailed(RolloutError):
+    """The job's external agent harness (``agent.harness``) exited with an error."""
+
+    code = "harness_failed"

@@ -67,11 +67,27 @@ class Sampling(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
 
 
+class HarnessConfig(_Strict):
+    """An external agent harness run inside the job's sandbox against the job's own
+    OpenAI-compatible endpoint (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` in its environment)."""
+
+    command: list[str] = Field(min_length=1, description="argv, run in /workspace inside the sandbox")
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("command")
+    @classmethod
+    def _no_empty_arguments(cls, command: list[str]) -> list[str]:
+        if not command[0].strip():
+            raise ValueError('the program (command[0]) must be a non-empty string, e.g. ["python", "agent.py"]')
+        return command
+
+
 class AgentConfig(_Strict):
     max_turns: Optional[int] = Field(None, gt=0)
     tool_parser: str = "hermes"
     tools: Optional[list[str]] = Field(None, description="subset of the domain's tools")
     system_prompt: Optional[str] = None
+    harness: Optional[HarnessConfig] = Field(None, description="run this program instead of the built-in agent loop")
 
 
 class Timeouts(_Strict):
@@ -189,6 +205,18 @@ class Turn(BaseModel):
     moved_from: Optional[str] = Field(None, description="backend that died during this call")
 
 
+class Segment(BaseModel):
+    """A stretch of LLM calls whose prompts extend each other, with the same invariant as the
+    trajectory's top level (an external harness that rewrites its history starts a new one)."""
+
+    prompt_ids: list[int] = Field(default_factory=list)
+    response_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    turns: list[Turn] = Field(default_factory=list)
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class Trajectory(BaseModel):
     prompt_ids: list[int] = Field(default_factory=list)
     response_ids: list[int] = Field(default_factory=list)
@@ -199,6 +227,43 @@ class Trajectory(BaseModel):
     reward: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
     truncated: bool = False
+    segments: list[Segment] = Field(
+        default_factory=list, description="later segments (harness mode): calls whose conversation did not "
+        "extend the previous call's prompt + completion; the top-level fields are the first segment")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[str | list[dict[str, Any]]] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The OpenAI chat.completions request a harness sends (unknown OpenAI options are ignored).
+    The job's own ``sampling`` is what generates: the trainer, not the harness, owns the policy's
+    sampling, so ``temperature``, ``top_p``, ``seed`` and ``stop`` are accepted and not applied;
+    ``max_tokens``/``max_completion_tokens`` only lower the job's per-call cap."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[dict[str, Any]]] = None
+    temperature: Optional[float] = Field(None, ge=0.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    max_tokens: Optional[int] = Field(None, gt=0)
+    max_completion_tokens: Optional[int] = Field(None, gt=0)
+    stop: Optional[str | list[str]] = None
+    seed: Optional[int] = None
+    n: int = Field(1, ge=1, le=1, description="one choice per call")
+    stream: bool = Field(False, description="must be false: streaming is not supported")
+
+    @field_validator("stream")
+    @classmethod
+    def _not_streaming(cls, stream: bool) -> bool:
+        if stream:
+            raise ValueError("streaming is not supported; send stream=false (or leave it out)")
+        return stream
 
 
 class TrajectoriesResponse(BaseModel):

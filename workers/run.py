@@ -9,6 +9,7 @@ from celery import Task
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool
+from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox
@@ -58,9 +59,15 @@ def run_episode(ctx: StageContext) -> None:
     )
     if ctx.attempt > 1:  # an earlier delivery died mid-episode: start from init's workspace again
         restore_workspace(handler, request.task, Path(prepared.workspace))
+    harness = request.agent.harness
+    session: Optional[ChatSession] = None
+    if harness is not None:  # an external harness drives the episode through the job's OpenAI endpoint
+        session = ChatSession(llm, agent.renderer, agent.parser, agent.limits, new_api_key(), stop_reason)
+        store.set_fields(job_id, harness_api_key=session.api_key)
+        tools = ("bash",)  # the sandbox runs the harness (and the domain's artifact) through bash
     episode: Optional[Episode] = None
     try:
-        if set(tools) - {"finish"}:
+        if harness is not None or set(tools) - {"finish"}:
             sandbox = create_sandbox(settings.sandbox, SandboxSpec(
                 job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
@@ -69,11 +76,17 @@ def run_episode(ctx: StageContext) -> None:
             sandbox.start()
             store.set_fields(job_id, sandbox_boot_s=sandbox.boot_s)
             agent.executor = sandbox
-        episode = agent.run(prepared.prompt_ids, prepared.messages)
+        if session is not None:
+            episode = run_harness(sandbox, session, harness, prepared.messages, ctx.deadline_at,
+                                  lambda: store.cancel_requested(job_id))
+        else:
+            episode = agent.run(prepared.prompt_ids, prepared.messages)
         store.put_trajectory(job_id, episode.trajectory)
         artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
     finally:
-        if episode is None and hasattr(agent, "history"):  # an infrastructure error: keep what we have
+        if episode is None and session is not None:
+            store.put_trajectory(job_id, session.build(FinishReason.error))
+        elif episode is None and hasattr(agent, "history"):  # an infrastructure error: keep what we have
             store.put_trajectory(job_id, agent.history.build(FinishReason.error))
         if sandbox is not None:
             sandbox.stop()

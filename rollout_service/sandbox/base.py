@@ -300,6 +300,10 @@ class ServerSandbox:
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
+    def inside(self) -> tuple[str, str, str]:
+        """(python, directory holding ``rollout_service``, socket directory) as seen inside the sandbox."""
+        return sys.executable, package_root(), INNER_SOCKET_DIR
+
     def _prepare(self) -> None:
         """Get resources ready before launch (uids, images)."""
 

@@ -14,6 +14,10 @@ log = logging.getLogger(__name__)
 class LocalSandbox(ServerSandbox):
     kind = "local"
 
+    def inside(self) -> tuple[str, str, str]:
+        assert self.socket_dir is not None
+        return sys.executable, package_root(), self.socket_dir
+
     def _launch(self) -> tuple[list[str], dict[str, Any]]:
         log.warning(
             "LOCAL SANDBOX %s for job %s: NO ISOLATION. The agent's commands run as this user, with "

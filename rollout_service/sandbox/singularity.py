@@ -120,6 +120,9 @@ def ensure_image(image: str | None, cache_dir: Path | None = None) -> str:
 class SingularitySandbox(ServerSandbox):
     kind = "singularity"
 
+    def inside(self) -> tuple[str, str, str]:
+        return RUNTIME_PYTHON, RUNTIME_PACKAGES, INNER_SOCKET_DIR
+
     def _prepare(self) -> None:
         self._image = ensure_image(self.spec.image)
 

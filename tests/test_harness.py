@@ -1,0 +1,193 @@
+"""An external agent harness (plain stdlib Python, speaking OpenAI chat.completions) runs inside
+a real bwrap sandbox with no network against the job's own endpoint; the service records every
+call in token space, exactly as the scripted vLLM-protocol server returned it."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+from rollout_service.schemas import ChatCompletionRequest, HarnessConfig
+
+TOOL_LOOP_HARNESS = r'''
+import json, os, subprocess, urllib.request
+
+BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+TOOLS = [{"type": "function", "function": {"name": "shell", "description": "run a shell command",
+          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+
+def chat(messages):
+    body = json.dumps({"model": "any", "messages": messages, "tools": TOOLS, "temperature": 0.7}).encode()
+    request = urllib.request.Request(BASE + "/chat/completions", body, {
+        "Authorization": "Bearer " + KEY, "Content-Type": "application/json"})
+    answer = json.load(urllib.request.urlopen(request, timeout=60))
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] > 0, answer
+    return answer["choices"][0]
+
+messages = json.load(open(os.environ["ROLLOUT_MESSAGES_FILE"]))
+while True:
+    choice = chat(messages)
+    message = choice["message"]
+    messages.append(message)
+    if choice["finish_reason"] != "tool_calls":
+        break
+    for call in message["tool_calls"]:
+        assert call["type"] == "function" and call["id"], call
+        command = json.loads(call["function"]["arguments"])["command"]
+        output = subprocess.run(command, shell=True, capture_output=True, text=True).stdout
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+assert message["content"] == "The answer is \\boxed{4}.", message
+summary = chat([messages[0], {"role": "user", "content": "REWRITE-MARKER: summarize the episode."}])
+assert summary["message"]["content"] == "Summary: 4", summary
+with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
+    f.write("\\boxed{4}")
+'''
+
+BAD_REQUESTS_HARNESS = r'''
+import json, os, urllib.error, urllib.request
+
+def status(body, key=os.environ["OPENAI_API_KEY"]):
+    request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", json.dumps(body).encode(),
+                                     {"Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=30)
+        return [200, ""]
+    except urllib.error.HTTPError as error:
+        return [error.code, json.load(error)["error"]["message"]]
+
+hello = [{"role": "user", "content": "hello"}]
+print(json.dumps({"stream": status({"messages": hello, "stream": True}), "no_messages": status({"model": "m"}),
+                  "wrong_key": status({"messages": hello}, key="not-the-key")}))
+'''
+
+
+def tool_call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def server_log(url: str) -> list[dict]:
+    return httpx.get(f"{url}/debug/requests", timeout=10).json()
+
+
+def assert_segment_is_exactly_what_the_server_returned(segment, requests: list[dict]) -> None:
+    generations = [t for t in segment.turns if t.kind == "generation"]
+    assert len(generations) == len(requests)
+    for turn, call in zip(generations, requests):
+        assert call["prompt_ids"] == segment.prompt_ids + segment.response_ids[:turn.start]
+        assert segment.response_ids[turn.start:turn.end] == call["output_ids"]
+        assert segment.logprobs[turn.start:turn.end] == call["logprobs"]
+        assert turn.backend_id and turn.policy_version is not None
+    assert len(segment.logprobs) == len(segment.loss_mask) == len(segment.response_ids)
+
+
+def test_a_stdlib_harness_runs_three_turns_with_tool_calls_and_every_call_is_recorded_exactly(
+        client, scripted_backend, scripted_server):
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [
+        {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
+        {"match": problem, "turns": [
+            "Let me check.\n" + tool_call("shell", command="echo hi-from-the-sandbox"),
+            tool_call("shell", command="python -c 'print(2 + 2)'"),
+            "The answer is \\boxed{4}.",
+        ]}]})
+    job_id, = client.submit({"domain": "math", "problem": problem, "answer": "4"},
+                            agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+
+    assert view.status.value == "completed", view.error
+    assert view.finish_reason.value == "finished" and view.reward == 1.0
+    trajectory = client.trajectory(job_id)
+    requests = server_log(backend.url)
+    assert [t.kind for t in trajectory.turns] == ["generation", "observation"] * 2 + ["generation"]
+    assert_segment_is_exactly_what_the_server_returned(trajectory, requests[:3])
+    assert len(trajectory.segments) == 1  # the summary call rewrote the history: a new segment
+    assert_segment_is_exactly_what_the_server_returned(trajectory.segments[0], requests[3:])
+    tool_messages = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert tool_messages == ["hi-from-the-sandbox\n", "4\n"]
+    assistant = [m for m in trajectory.messages if m["role"] == "assistant"]
+    assert assistant[0]["tool_calls"][0]["function"] == {"name": "shell",
+                                                         "arguments": {"command": "echo hi-from-the-sandbox"}}
+
+
+def test_bad_chat_requests_get_4xx_answers_that_name_the_problem(client, scripted_backend):
+    scripted_backend({"episodes": [{"match": "hello", "turns": ["hi"]}]})
+    job_id, = client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"},
+                            agent={"harness": {"command": ["python", "-c", BAD_REQUESTS_HARNESS]}}).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+
+    assert view.status.value == "completed", view.error
+    seen = json.loads(view.result["artifact"]["answer"])  # the harness's last stdout line
+    assert seen["stream"][0] == 400 and "stream" in seen["stream"][1]
+    assert seen["no_messages"][0] == 400 and "messages" in seen["no_messages"][1]
+    assert seen["wrong_key"][0] == 401 and "API key" in seen["wrong_key"][1]
+    assert client.trajectory(job_id).turns == []
+
+
+def test_cancelling_a_job_stops_its_harness(client, scripted_backend):
+    scripted_backend({"episodes": [{"match": "hello", "turns": ["hi"]}]})
+    job_id, = client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"},
+                            agent={"harness": {"command": ["sleep", "600"]}}).job_ids
+    deadline = time.time() + 60
+    while client.get(job_id).status.value != "running" and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the harness is up inside the sandbox
+    client.cancel(job_id)
+    began = time.monotonic()
+    view, = client.wait([job_id], timeout_s=60)
+
+    assert view.status.value == "cancelled"
+    assert time.monotonic() - began < 15
+
+
+@pytest.mark.parametrize("harness, problem", [
+    ({"command": []}, "command"),
+    ({"command": [""]}, "command[0]"),
+    ({"command": "python agent.py"}, "command"),
+    ({"env": {}}, "command"),
+])
+def test_a_harness_without_a_usable_command_is_refused_at_submission(service, harness, problem):
+    response = httpx.post(f"{service.url}/v1/jobs", json={
+        "task": {"domain": "math", "problem": "1 + 1?", "answer": "2"}, "agent": {"harness": harness}})
+    assert response.status_code == 400
+    assert f"agent.harness.{problem.split('[')[0]}" in response.json()["error"]["message"]
+
+
+def test_the_chat_request_model_refuses_streaming():
+    with pytest.raises(ValueError, match="streaming is not supported"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert HarnessConfig(command=["python", "a.py"]).env == {}
+
+
+def test_a_harness_past_max_turns_is_told_the_rollout_is_over_and_the_episode_is_truncated(client, scripted_backend):
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [
+        tool_call("shell", command="echo one"), tool_call("shell", command="echo two"), "done"]}]})
+    job_id, = client.submit({"domain": "math", "problem": problem, "answer": "4"},
+                            agent={"max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}
+                            ).job_ids
+    view, = client.wait([job_id], timeout_s=120)
+
+    assert view.status.value == "completed", view.error
+    assert view.finish_reason.value == "max_turns"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.truncated and [t.kind for t in trajectory.turns].count("generation") == 2
+
+
+def test_the_harness_endpoint_works_the_same_in_a_local_sandbox(tmp_path, scripted_server, tiny_tokenizer_dir):
+    from tests.fixtures_service import running_service
+
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    url = scripted_server({"episodes": [
+        {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
+        {"match": problem, "turns": [tool_call("shell", command="echo hi"), "The answer is \\boxed{4}."]}]})
+    with running_service(tmp_path, ROLLOUT_SANDBOX="local") as service, service.client() as local_client:
+        local_client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
+        job_id, = local_client.submit({"domain": "math", "problem": problem, "answer": "4"},
+                                      agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
+        view, = local_client.wait([job_id], timeout_s=120)
+        assert view.status.value == "completed", view.error
+        assert view.reward == 1.0
+        assert_segment_is_exactly_what_the_server_returned(local_client.trajectory(job_id), server_log(url)[:2])
