@@ -96,8 +96,10 @@ def rss_mb(pids: list[int]) -> float:
 class Stack:
     """``rollout-service up`` in a subprocess on free ports, with its own state dir."""
 
-    def __init__(self, state: Path, env: dict[str, str]) -> None:
+    def __init__(self, state: Path, env: dict[str, str], run_workers: int = 1, init_workers: int = 1) -> None:
         self.state = state
+        self.run_workers = run_workers
+        self.init_workers = init_workers
         self.port = free_port()
         self.env = {**os.environ, "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_PORT": str(self.port),
                     "ROLLOUT_FLOWER_PORT": str(free_port()), **env}
@@ -108,7 +110,9 @@ class Stack:
 
     def __enter__(self) -> "Stack":
         log = open(self.state / "up.log", "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference"],
+        self.process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference",
+                                         "--run-workers", str(self.run_workers),
+                                         "--init-workers", str(self.init_workers)],
                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -217,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env.update(dict(kv.split("=", 1) for kv in args.env))
         try:
             (state / "service").mkdir()
-            with Stack(state / "service", env) as stack, RolloutClient(stack.url, timeout_s=300) as client:
+            with Stack(state / "service", env, args.run_workers, args.init_workers) as stack, RolloutClient(stack.url, timeout_s=300) as client:
                 client.add_backend(sim_url, "vllm", "sim", tokenizer=str(tokenizer))
                 warm = submit_all(client, [job_body(args, -i) for i in range(4)])
                 client.wait(warm, timeout_s=120)
@@ -299,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-s", type=float, default=1.0)
     parser.add_argument("--sandbox", action="store_true", help="bwrap sandbox + a bash command per turn")
     parser.add_argument("--filler-tokens", type=int, default=0, help="tokens before each tool call")
-    parser.add_argument("--run-concurrency", type=int, default=0, help="default: --rollouts")
+    parser.add_argument("--run-concurrency", type=int, default=0, help="per run worker; default: --rollouts")
+    parser.add_argument("--init-workers", type=int, default=1, help="init worker processes")
+    parser.add_argument("--run-workers", type=int, default=1, help="run worker processes (rollout-service up --run-workers)")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
     parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")

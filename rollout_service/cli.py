@@ -196,7 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             supervisor.start("reference", reference_command(settings, model_dir))
         supervisor.start("gateway", gateway_command(settings))
         for queue in WORKER_POOLS:
-            copies = args.run_workers if queue == "run" else 1
+            copies = {"run": args.run_workers, "init": args.init_workers}.get(queue, 1)
             for index in range(copies):
                 suffix = f"-{index + 1}" if copies > 1 else ""
                 supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
@@ -220,7 +220,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
               f"  flower     http://{address}:{settings.flower_port}{everywhere}\n"
               + (f"  reference  {reference}  (model '{reference_model_name(settings.reference_model)}', registered and healthy)\n" if with_reference else "")
-              + f"  workers    init, run x{args.run_workers}, eval, control\n"
+              + f"  workers    init x{args.init_workers}, run x{args.run_workers}, eval, control\n"
               f"  redis      {redis_url}\n"
               f"  logs       {supervisor.log_dir}", flush=True)
         for b in unhealthy:
@@ -361,11 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-port", type=int, default=None, help="port of the embedded redis (default: free)")
     up.add_argument("--no-reference", action="store_true", help="do not start the reference backend")
     up.add_argument("--run-workers", type=positive_int, default=1, metavar="N",
-                    help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY threads)")
+                    help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY greenlets)")
+    up.add_argument("--init-workers", type=positive_int, default=1, metavar="N",
+                    help="init worker processes to start (each ROLLOUT_INIT_CONCURRENCY greenlets)")
     sub.add_parser("gateway", help="serve the HTTP gateway under gunicorn")
     worker = sub.add_parser("worker", help="run the Celery worker pool of one queue")
     worker.add_argument("queue", choices=sorted(WORKER_POOLS))
-    worker.add_argument("--pool", choices=POOL_KINDS, default=None, help="default: threads, prefork for eval")
+    worker.add_argument("--pool", choices=POOL_KINDS, default=None, help="default: gevent for init and run, prefork for eval, threads for control")
     sizing = worker.add_mutually_exclusive_group()
     sizing.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
                         help="default: ROLLOUT_<QUEUE>_CONCURRENCY")
