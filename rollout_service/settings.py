@@ -29,7 +29,7 @@ class Settings:
     reference_torch_threads: int = 1  # 2 threads on a busy 2-core machine were 5-20x slower than 1
     api_token: str = ""
     gateway_workers: int = 2
-    init_concurrency: int = 32  # greenlets: init mostly waits on Redis and the file system
+    init_concurrency: int = 128  # greenlets: init mostly waits on Redis and the file system
     run_concurrency: int = 256  # episodes per run worker process (gevent greenlets)
     eval_concurrency: int = 2
     control_concurrency: int = 4
