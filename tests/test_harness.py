@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from rollout_service.schemas import ChatCompletionRequest, HarnessConfig
+from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log
 
 TOOL_LOOP_HARNESS = r'''
 import json, os, subprocess, urllib.request
@@ -68,19 +69,9 @@ def tool_call(name: str, **arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-def server_log(url: str) -> list[dict]:
-    return httpx.get(f"{url}/debug/requests", timeout=10).json()
-
-
 def assert_segment_is_exactly_what_the_server_returned(segment, requests: list[dict]) -> None:
-    generations = [t for t in segment.turns if t.kind == "generation"]
-    assert len(generations) == len(requests)
-    for turn, call in zip(generations, requests):
-        assert call["prompt_ids"] == segment.prompt_ids + segment.response_ids[:turn.start]
-        assert segment.response_ids[turn.start:turn.end] == call["output_ids"]
-        assert segment.logprobs[turn.start:turn.end] == call["logprobs"]
-        assert turn.backend_id and turn.policy_version is not None
-    assert len(segment.logprobs) == len(segment.loss_mask) == len(segment.response_ids)
+    assert_trajectory_is_exactly_what_the_server_returned(segment, requests)
+    assert all(t.backend_id and t.policy_version is not None for t in segment.turns if t.kind == "generation")
 
 
 def test_a_stdlib_harness_runs_three_turns_with_tool_calls_and_every_call_is_recorded_exactly(
