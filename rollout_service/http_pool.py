@@ -14,7 +14,7 @@ import threading
 from typing import Protocol
 from urllib.parse import urlsplit
 
-MAX_IDLE_PER_HOST = 512
+MAX_IDLE_PER_HOST = 4096  # above any sane run concurrency: a closed idle connection is a new connect later
 
 
 class ConnectFailed(Exception):
