@@ -233,6 +233,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nstopping ...", flush=True)
         return 0
     finally:
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not orphan children
+            signal.signal(stop_signal, signal.SIG_IGN)
         supervisor.stop()
         if redis_server:
             redis_server.stop()
