@@ -360,3 +360,14 @@ def test_a_sandbox_started_from_a_short_lived_thread_outlives_it(workspace: Path
         assert bash(box, "echo alive")["output"] == "alive"
     finally:
         box.stop()
+
+
+def test_the_action_server_boots_without_importing_redis_or_the_wire_models():
+    """It starts in every sandbox: heavy imports there are paid at every boot (170 ms vs 60 ms)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, rollout_service.sandbox.action_server; "
+             "print(sorted(m for m in ('redis', 'pydantic', 'rollout_service.store') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"

@@ -18,7 +18,6 @@ from rollout_service.errors import UnknownName
 from rollout_service.sandbox.base import Sandbox, SandboxSpec
 from rollout_service.sandbox.bwrap import BwrapSandbox
 from rollout_service.sandbox.local import LocalSandbox
-from rollout_service.sandbox.registry import reap_expired
 from rollout_service.sandbox.singularity import SingularitySandbox
 
 SANDBOXES: dict[str, type] = {
@@ -26,6 +25,14 @@ SANDBOXES: dict[str, type] = {
     "singularity": SingularitySandbox,
     "local": LocalSandbox,
 }
+
+
+def reap_expired(redis_client: Any, hostname: Any = None) -> Any:
+    """See ``registry.reap_expired`` (imported on use: the in-sandbox action server imports this
+    package and must not pay for Redis and the wire models at every sandbox boot)."""
+    from rollout_service.sandbox.registry import reap_expired as reap
+
+    return reap(redis_client, hostname)
 
 
 def create_sandbox(kind: str, spec: SandboxSpec, redis_client: Any = None) -> Sandbox:
