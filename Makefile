@@ -22,6 +22,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/tools.py
 	$(PY) bench/balance.py
+	$(PY) bench/scale.py --rollouts 200 --turns 4 --delay-s 1
 
 install: $(STAMP)
 
