@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from rollout_service.client import RolloutClient  # noqa: E402
+from rollout_service.errors import DeadlineExceeded  # noqa: E402
 from rollout_service.redis_server import free_port  # noqa: E402
 from rollout_service.tiny_model import build_tiny_tokenizer  # noqa: E402
 
@@ -246,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     pending = [j for j in job_ids if j not in done]
                     try:
                         client.wait(pending, timeout_s=0.5, on_done=on_done)
-                    except Exception:
+                    except DeadlineExceeded:
                         pass
                 wall_s = time.monotonic() - started
                 cpu_after = cpu_seconds(process_tree(stack.process.pid) + [sim.pid])

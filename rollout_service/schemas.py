@@ -217,13 +217,9 @@ class Segment(BaseModel):
     messages: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class Trajectory(BaseModel):
-    prompt_ids: list[int] = Field(default_factory=list)
-    response_ids: list[int] = Field(default_factory=list)
-    loss_mask: list[int] = Field(default_factory=list)
-    logprobs: list[float] = Field(default_factory=list)
-    turns: list[Turn] = Field(default_factory=list)
-    messages: list[dict[str, Any]] = Field(default_factory=list)
+class Trajectory(Segment):
+    """The first segment's ids, logprobs, mask, turns and messages at the top level, then the outcome."""
+
     reward: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
     truncated: bool = False

@@ -359,9 +359,6 @@ class JobStore:
     def put_prepared(self, job_id: str, prepared: Prepared) -> None:
         self.put_blob(job_id, "prepared", prepared.model_dump(mode="json"))
 
-    def prepared(self, job_id: str) -> Prepared:
-        return Prepared.model_validate(self.get_blob(job_id, "prepared"))
-
     # -- state changes ----------------------------------------------------------------
     def transition(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus] = (),
                    **fields: Any) -> bool:
@@ -394,9 +391,6 @@ class JobStore:
     def set_fields(self, job_id: str, **fields: Any) -> None:
         self._call(self.redis.hset, self.key(job_id), mapping={k: "" if v is None else v for k, v in fields.items()})
 
-    def count_attempt(self, job_id: str, stage: str) -> int:
-        return int(self._call(self.redis.hincrby, self.key(job_id), f"attempts_{stage}", 1))
-
     def request_cancel(self, job_id: str) -> None:
         self.set_fields(job_id, cancel_requested="1")
 
@@ -414,9 +408,6 @@ class JobStore:
 
     def cancel_requested(self, job_id: str) -> bool:
         return self._call(self.redis.hget, self.key(job_id), "cancel_requested") == b"1"
-
-    def deadline_at(self, job_id: str) -> float:
-        return float(self.fields(job_id)["deadline_at"])
 
     def live_jobs(self) -> set[str]:
         return {j.decode() for j in self.redis.smembers(LIVE_JOBS)}

@@ -29,8 +29,7 @@ def score_job(ctx: StageContext) -> None:
     scored = get_handler(request.task["domain"]).score(request.task, artifact)
     trajectory["reward"] = scored.reward  # the stored document as run wrote it, ids untouched
     store.put_blobs(job_id, trajectory=trajectory, result={"artifact": artifact, "details": scored.details})
-    store.set_fields(job_id, eval_end=time.time())
-    store.finish(job_id, JobStatus.completed, reward=scored.reward)
+    store.finish(job_id, JobStatus.completed, reward=scored.reward, eval_end=time.time())
 
 
 TRANSIENT = (StoreUnavailable, redis.ConnectionError, redis.TimeoutError)
