@@ -65,11 +65,11 @@ return 1
 
 # Everything a stage checks and records before its body, in one round trip.
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
-# attempts field, start field, now.
+# attempts field, start field, now, end field (a stage that already ended never runs again).
 _BEGIN_STAGE = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index')
+local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8])
 if not f[1] then return {'missing'} end
-if f[1] ~= ARGV[1] and f[1] ~= ARGV[2] then return {'skip', f[1]} end
+if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2]) or f[5] then return {'skip', f[1]} end
 if f[2] == '1' then return {'cancelled'} end
 if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
 local attempts = redis.call('HINCRBY', KEYS[1], ARGV[5], 1)
@@ -420,7 +420,7 @@ class JobStore:
         ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``."""
         reply = self._call(self._begin_stage, keys=[self.key(job_id), self.key(job_id, "lease")], args=[
             previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
-            f"attempts_{stage}", f"{stage}_start", time.time()])
+            f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end"])
         return as_text(reply[0]), [as_text(v) for v in reply[1:]]
 
     def end_stage(self, job_id: str, owner: str, **field: Any) -> Optional[JobStatus]:

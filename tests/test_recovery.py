@@ -3,13 +3,25 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 
 from rollout_service.cli import worker_command
 from rollout_service.settings import Settings
-from tests.fixtures_service import running_service
+from tests.fixtures_service import Service, running_service
 from tests.test_llm import slow_script, wait_for
 from tests.test_pipeline import math_task, server_log
+
+
+def stop_worker(service: Service, queue: str, sig: int = signal.SIGTERM) -> None:
+    worker = next(c for c in service.supervisor.children if c.name.startswith(f"worker-{queue}"))
+    os.killpg(worker.process.pid, sig)
+    worker.process.wait()
+    service.supervisor.children.remove(worker)
+
+
+def start_worker(service: Service, queue: str) -> None:
+    service.supervisor.start(f"worker-{queue}-{uuid.uuid4().hex[:4]}", worker_command(Settings.from_env(service.env), queue))
 
 
 def test_a_run_worker_killed_mid_episode_is_replaced_and_its_job_completes_once(
@@ -22,11 +34,8 @@ def test_a_run_worker_killed_mid_episode_is_replaced_and_its_job_completes_once(
         job_id, = client.submit(math_task(problem)).job_ids
         redis = service.redis()
         wait_for(lambda: len(server_log(url)) >= 2, what="the episode to be under way")
-        run_worker = next(c for c in service.supervisor.children if c.name == "worker-run")
-        os.killpg(run_worker.process.pid, signal.SIGKILL)
-        run_worker.process.wait()
-        service.supervisor.children.remove(run_worker)
-        service.supervisor.start("worker-run-2", worker_command(Settings.from_env(service.env), "run"))
+        stop_worker(service, "run", signal.SIGKILL)
+        start_worker(service, "run")
 
         view, = client.wait([job_id], timeout_s=90)
         assert view.status.value == "completed" and view.reward == 1.0
@@ -63,10 +72,7 @@ def test_a_redis_restart_loses_no_queued_job_and_the_gateway_answers_503_meanwhi
     with running_service(tmp_path / "svc") as service, service.client() as client:
         client.add_backend(url, "vllm", "steady", tokenizer=str(tiny_tokenizer_dir))
         for queue in ("init", "run", "eval"):  # nobody consumes: the jobs wait in Redis
-            worker = next(c for c in service.supervisor.children if c.name == f"worker-{queue}")
-            os.killpg(worker.process.pid, signal.SIGTERM)
-            worker.process.wait()
-            service.supervisor.children.remove(worker)
+            stop_worker(service, queue)
         queued = client.submit(math_task(problem), n=3).job_ids
 
         port = service.redis_server.port
@@ -76,10 +82,37 @@ def test_a_redis_restart_loses_no_queued_job_and_the_gateway_answers_503_meanwhi
         assert httpx.get(f"{service.url}/readyz").status_code == 503
 
         service.redis_server = RedisServer(service.redis_server.data_dir, port=port).start()
-        settings = Settings.from_env(service.env)
         for queue in ("init", "run", "eval"):
-            service.supervisor.start(f"worker-{queue}-again", worker_command(settings, queue))
+            start_worker(service, queue)
         wait_for(lambda: httpx.get(f"{service.url}/readyz").status_code == 200, what="readiness")
         after = client.submit(math_task(problem)).job_ids
         views = client.wait(queued + after, timeout_s=90)
         assert [v.status.value for v in views] == ["completed"] * 4
+
+
+def test_stage_messages_the_broker_lost_are_sent_again_and_waiting_ones_are_not_duplicated(
+        tmp_path, scripted_server, tiny_tokenizer_dir):
+    problem = f"Lost message ({uuid.uuid4().hex[:6]})"
+    url = scripted_server({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    with running_service(tmp_path / "svc", ROLLOUT_LEASE_TTL_S="2",
+                         ROLLOUT_BACKEND_PROBE_INTERVAL_S="1") as service, service.client() as client:
+        client.add_backend(url, "vllm", "steady", tokenizer=str(tiny_tokenizer_dir))
+        redis = service.redis()
+        stop_worker(service, "run")
+        between_stages, = client.submit(math_task(problem)).job_ids
+        wait_for(lambda: redis.llen("run") == 1, what="init to hand the job to the run queue")
+        stop_worker(service, "init")
+        queued, = client.submit(math_task(problem)).job_ids
+        assert redis.delete("init", "run") == 2  # popped and never recorded as unacked, as kombu loses them
+        waiting, = client.submit(math_task(problem)).job_ids  # its message is in the queue: leave it alone
+        time.sleep(2 * 2 + 3)
+        assert redis.llen("init") == 2 and redis.llen("run") == 1, "only the lost messages are sent again"
+        start_worker(service, "init")
+        start_worker(service, "run")
+
+        views = client.wait([between_stages, queued, waiting], timeout_s=90)
+        assert [v.status.value for v in views] == ["completed"] * 3
+        assert [redis.hget(f"rollout:job:{j}", "attempts_init") for j in (between_stages, queued, waiting)] == [b"1"] * 3
+        log = service.log("worker-control")
+        assert f"job {between_stages} lost its run message" in log and f"job {queued} lost its init message" in log
+        assert waiting not in log

@@ -12,7 +12,7 @@ from queue import Empty
 
 import redis
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import celeryd_init, worker_ready
 from kombu.transport import redis as kombu_redis
 
 from rollout_service.settings import Settings, get_settings
@@ -20,6 +20,7 @@ from rollout_service.store import resolve_redis_url
 
 HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated queues it consumes
 HEARTBEAT_INTERVAL_S = 5
+BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -48,6 +49,21 @@ def make_celery(settings: Settings) -> Celery:
 
 
 app = make_celery(get_settings())
+
+
+@celeryd_init.connect
+def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
+    """kombu's Redis transport gives each worker a pool of 10 broker connections that fails
+    ("Too many connections") instead of waiting. A green pool acks from every task's greenlet,
+    so hundreds of tasks ending together exhausted it; kombu then dropped the broker connection,
+    and a message it had just popped off a queue but not yet recorded as unacked was lost
+    (found in CI: one job of 200 stuck in ``queued``). Size the pool to the worker's slots."""
+    autoscale = options.get("autoscale") or ()
+    if isinstance(autoscale, str):
+        autoscale = autoscale.split(",")
+    slots = max([int(options.get("concurrency") or 0), *(int(n) for n in autoscale if str(n).strip())])
+    conf.broker_transport_options = {**conf.broker_transport_options,  # type: ignore[attr-defined]
+                                     "max_connections": slots + BROKER_SPARE_CONNECTIONS}
 
 PAUSED_POLL_S = 0.01
 

@@ -9,13 +9,14 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import redis
 from celery.signals import worker_ready
 
 from rollout_service.backends import BackendPool
-from rollout_service.errors import NotFound, StoreUnavailable
+from rollout_service.errors import StoreUnavailable
+from rollout_service.schemas import JobStatus
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from workers import dispatch
@@ -42,30 +43,71 @@ def housekeeping() -> dict[str, Any]:
     return report
 
 
-def recover_orphans(store: JobStore) -> list[str]:
-    """Re-enqueue stages whose worker died (status says running, nobody holds the lease).
+ORPHAN_FIELDS = ("status", "created_at", *(field for stage in dispatch.STAGES
+                                           for field in (f"{stage}_start", f"{stage}_end", f"attempts_{stage}")))
 
-    kombu would redeliver their unacked message only after the visibility timeout (hours);
-    the stage's own checks (status, lease, delivery count) keep a late duplicate harmless.
+
+def recover_orphans(store: JobStore) -> list[str]:
+    """Re-enqueue the stage a live job waits on when nothing would ever run it:
+
+    - its worker died mid-stage (status says running, nobody holds the lease): kombu would
+      redeliver the unacked message only after the visibility timeout (hours);
+    - its message is gone (queued, or between two stages, and no queue or unacked entry carries
+      it): kombu's Redis transport loses a message it popped if the broker connection fails
+      before it records the message as unacked.
+
+    A stage counts as lost after two lease TTLs; a late duplicate is harmless, the stage's own
+    checks (status, lease, stage end, delivery count) skip it.
     """
-    recovered = []
     now = time.time()
-    for job_id in store.live_jobs():
-        try:
-            f = store.fields(job_id)
-        except NotFound:
+    patience_s = store.settings.lease_ttl_s * 2
+    job_ids = sorted(store.live_jobs())
+    pipe = store.redis.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hmget(store.key(job_id), *ORPHAN_FIELDS)
+        pipe.exists(store.key(job_id, "lease"))
+    replies = pipe.execute()
+    crashed: dict[str, tuple[str, str]] = {}  # job -> (stage, its delivery count)
+    unsent: dict[str, str] = {}
+    for job_id, values, leased in zip(job_ids, replies[::2], replies[1::2]):
+        fields = {name: value.decode() for name, value in zip(ORPHAN_FIELDS, values) if value is not None}
+        waiting = None if leased or "status" not in fields else waiting_stage(fields)
+        if waiting is None or now - waiting[1] < patience_s:
             continue
-        stage = STAGE_OF_STATUS.get(f["status"])
-        if stage is None or f.get(f"{stage}_end") or store.redis.exists(store.key(job_id, "lease")):
-            continue
-        if now - float(f.get(f"{stage}_start") or now) < store.settings.lease_ttl_s * 2:
-            continue
-        claim = store.key(job_id, f"recovery:{stage}:{f.get(f'attempts_{stage}', 0)}")
-        if store.redis.set(claim, "1", nx=True, ex=store.settings.job_ttl_s):
-            log.warning("job %s lost its %s worker; re-enqueueing from %s", job_id, stage, stage)
+        stage, _, started = waiting
+        if started:
+            crashed[job_id] = (stage, fields.get(f"attempts_{stage}", "0"))
+        else:
+            unsent[job_id] = stage
+    present = dispatch.messages_present(store.redis, [dispatch.stage_task_id(j, s) for j, s in unsent.items()])
+    lost = {j: s for j, s in unsent.items() if dispatch.stage_task_id(j, s) not in present}
+    claims = {  # once per delivery for a dead worker: its message stays unacked for hours
+        **{j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker") for j, (s, attempts) in crashed.items()},
+        # a lost message: the broker holds the new one from now on, so the next scan sees it
+        **{j: (s, f"recovery:{s}:lost", int(patience_s) + 1, "message") for j, s in lost.items()},
+    }
+    recovered = []
+    for job_id, (stage, claim, ttl_s, what) in claims.items():
+        if store.redis.set(store.key(job_id, claim), "1", nx=True, ex=ttl_s):
+            log.warning("job %s lost its %s %s; re-enqueueing from %s", job_id, stage, what, stage)
             dispatch.enqueue_from(job_id, stage)
             recovered.append(job_id)
     return recovered
+
+
+def waiting_stage(fields: dict[str, str]) -> Optional[tuple[str, float, bool]]:
+    """The stage the job waits on: (stage, waiting since, whether a worker had started it)."""
+    if fields["status"] == JobStatus.queued.value:
+        return "init", float(fields["created_at"]), False
+    stage = STAGE_OF_STATUS.get(fields["status"])
+    if stage is None:
+        return None
+    if f"{stage}_end" not in fields:
+        return stage, float(fields.get(f"{stage}_start") or time.time()), True
+    following = dispatch.STAGES.index(stage) + 1
+    if following == len(dispatch.STAGES):
+        return None
+    return dispatch.STAGES[following], float(fields[f"{stage}_end"]), False
 
 
 @worker_ready.connect

@@ -32,6 +32,26 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (3, 6, 9)
 KOMBU_UNACKED = "unacked"
 
+# Which of ARGV (task ids) some message in the KEYS (queue lists, then the unacked hash) carries.
+# kombu stores a message as JSON whose first "id" is the task id (Celery's protocol-2 headers).
+_MESSAGES_PRESENT = """
+local wanted, found = {}, {}
+for _, id in ipairs(ARGV) do wanted[id] = true end
+local function look(raw)
+  local id = string.match(raw, '"id": "([^"]+)"')
+  if id and wanted[id] then found[#found + 1] = id; wanted[id] = nil end
+end
+for i = 1, #KEYS - 1 do
+  for _, raw in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do look(raw) end
+end
+for _, raw in ipairs(redis.call('HVALS', KEYS[#KEYS])) do look(raw) end
+return found
+"""
+
+
+def stage_task_id(job_id: str, stage: str) -> str:
+    return f"{job_id}.{stage}"
+
 
 def pipeline_for(job_id: str, first_stage: str = "init") -> chain:
     """init → run → eval (or the tail from ``first_stage``), every link routed to its queue
@@ -40,13 +60,13 @@ def pipeline_for(job_id: str, first_stage: str = "init") -> chain:
         raise UnknownName("stage", first_stage, STAGES)
     return chain(*(
         app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
-            queue=stage, task_id=f"{job_id}.{stage}")
+            queue=stage, task_id=stage_task_id(job_id, stage))
         for stage in STAGES[STAGES.index(first_stage):]
     ))
 
 
 def stage_task_ids(job_id: str) -> list[str]:
-    return [f"{job_id}.{stage}" for stage in STAGES]
+    return [stage_task_id(job_id, stage) for stage in STAGES]
 
 
 def enqueue_jobs(job_ids: Iterable[str], first_stage: str = "init") -> None:
@@ -87,6 +107,16 @@ def served_queues(client: redis.Redis) -> set[str]:
         if value:
             queues.update(value.decode().split(","))
     return queues
+
+
+def messages_present(client: redis.Redis, task_ids: list[str]) -> set[str]:
+    """The task ids that some message waiting in a queue, or delivered and not acked yet, carries.
+    One server-side scan of every queue list and the unacked hash (only matches come back)."""
+    if not task_ids:
+        return set()
+    keys = [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
+            for queue in QUEUES for step in (0, *KOMBU_PRIORITY_STEPS)]
+    return {t.decode() for t in client.eval(_MESSAGES_PRESENT, len(keys) + 1, *keys, KOMBU_UNACKED, *task_ids)}
 
 
 def queue_lengths(client: redis.Redis) -> dict[str, dict[str, int]]:
