@@ -8,7 +8,7 @@
         sandbox.stop()
 
 Kinds: ``bwrap`` (bubblewrap), ``singularity`` (also Apptainer), ``local`` (no isolation).
-Inside each, ``rollout_service.sandbox.action_server`` answers on a Unix socket.
+Inside each, ``rollout_service.tools.action_server`` answers on a Unix socket.
 """
 from __future__ import annotations
 

@@ -33,10 +33,7 @@ INNER_WORKSPACE = "/workspace"
 START_TIMEOUT_S = 60.0
 CALL_GRACE_S = 30.0
 MAX_SOCKET_PATH = 107
-BOOTSTRAP = (
-    "import sys; sys.path[0] = {path!r}; "
-    "from rollout_service.sandbox.action_server import main; main()"
-)  # sys.path[0] would be the workspace: a file there must never shadow a module of the server
+BOOTSTRAP = "import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.action_server import main; main()"
 
 
 @dataclass
@@ -91,10 +88,24 @@ def package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def server_arguments(spec: SandboxSpec, socket_path: str, workspace: str, package_dir: str) -> list[str]:
-    """Python arguments that start the action server with ``package_dir`` first on sys.path."""
+def host_import_paths() -> list[str]:
+    """What the action server imports from this host's Python: the package, and ptyprocess's
+    site-packages directory (named, so the server starts without running ``site``)."""
+    import ptyprocess
+
+    return list(dict.fromkeys([package_root(), str(Path(ptyprocess.__file__).resolve().parents[1])]))
+
+
+def server_arguments(spec: SandboxSpec, socket_path: str, workspace: str, import_paths: list[str],
+                     run_site: bool = False) -> list[str]:
+    """Python arguments that start the action server with ``import_paths`` first on sys.path.
+
+    ``-I``: the workspace (the current directory) is never on sys.path, so a file there cannot
+    shadow a module of the server. Without ``run_site`` (``-S``) start-up skips site-packages'
+    .pth processing: 7 ms instead of 20 ms per boot on the host's venv."""
     return [
-        "-c", BOOTSTRAP.format(path=package_dir),
+        "-I", *([] if run_site else ["-S"]),
+        "-c", BOOTSTRAP.format(paths=list(import_paths)),
         "--socket", socket_path,
         "--workspace", workspace,
         "--tools", ",".join(spec.tools),

@@ -24,6 +24,7 @@ from rollout_service.sandbox.base import (
     INNER_WORKSPACE,
     ServerSandbox,
     SandboxSpec,
+    host_import_paths,
     package_root,
     server_arguments,
 )
@@ -76,7 +77,7 @@ def give_to(path: str, uid: int) -> None:
 
 def runtime_paths() -> list[str]:
     """Host directories the action server needs: the interpreter, the venv, the package."""
-    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), package_root()}
+    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), *host_import_paths()}
     return sorted(paths)
 
 
@@ -163,7 +164,7 @@ def bwrap_argv(
     for key, value in env.items():
         argv += ["--setenv", key, value]
     argv += ["--", sys.executable]
-    argv += server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, package_root())
+    argv += server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, host_import_paths())
     if uid is not None:
         argv += ["--user", f"{uid}:{uid}"]
     return argv

@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any
 
-from rollout_service.sandbox.base import ServerSandbox, package_root, server_arguments
+from rollout_service.sandbox.base import ServerSandbox, host_import_paths, package_root, server_arguments
 
 log = logging.getLogger(__name__)
 
@@ -28,5 +28,5 @@ class LocalSandbox(ServerSandbox):
         )
         env = self.sandbox_env()
         env["HOME"] = self.spec.workspace
-        argv = [sys.executable, *server_arguments(self.spec, self.socket_path, self.spec.workspace, package_root())]
+        argv = [sys.executable, *server_arguments(self.spec, self.socket_path, self.spec.workspace, host_import_paths())]
         return argv, {"cwd": self.spec.workspace, "env": env}

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import select
 import signal
-import subprocess
-import tempfile
 import time
 from typing import Any
 
@@ -43,7 +40,8 @@ class BashSession:
         self.cwd = cwd
         self.env = dict(env, TERM="dumb", PAGER="cat", GIT_PAGER="cat", MANPAGER="cat")
         self.env.pop("PROMPT_COMMAND", None)
-        self._dir = tempfile.mkdtemp(prefix=".rollout-bash-")
+        self._dir = os.path.join(os.environ.get("TMPDIR") or "/tmp", f".rollout-bash-{os.urandom(8).hex()}")
+        os.mkdir(self._dir, 0o700)
         self._script = os.path.join(self._dir, "command.sh")
         self._process: ptyprocess.PtyProcess | None = None
         self._seq = 0
@@ -55,7 +53,7 @@ class BashSession:
         return self._process.pid if self._process else None
 
     def start(self) -> None:
-        self._nonce = secrets.token_hex(6)
+        self._nonce = os.urandom(6).hex()
         self._sentinel = re.compile(rb"\x1e\x1e" + self._nonce.encode() + rb" (\d+) (\d+)\x1e\x1e")
         self._process = ptyprocess.PtyProcess.spawn(
             ["bash", "--norc", "--noprofile", "--noediting", "-i"],
@@ -191,6 +189,8 @@ class BashSession:
         return f"bash exited with code {code}" if code is not None else "bash was killed"
 
     def _syntax_error(self, command: str) -> str | None:
+        import subprocess  # only multi-line commands are checked; not paid at every sandbox boot
+
         check = subprocess.run(
             ["bash", "-n"], input=command, capture_output=True, text=True, cwd=self.cwd, env=self.env
         )
