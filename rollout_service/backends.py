@@ -390,8 +390,14 @@ class BackendPool:
 
     # weight sync
 
-    def pause(self) -> None:
-        self.redis.set(self._key("paused"), 1)
+    def pause(self, ttl_s: float) -> None:
+        """Stop new LLM calls for ``ttl_s`` seconds, or until resume(); pausing again renews it
+        (a trainer that dies mid-sync must not leave the service paused for good)."""
+        self.redis.set(self._key("paused"), 1, px=max(int(ttl_s * 1000), 1))
+
+    def pause_expires_in_s(self) -> float | None:
+        ttl_ms = self.redis.pttl(self._key("paused"))
+        return ttl_ms / 1000 if ttl_ms >= 0 else None
 
     def resume(self, policy_version: int | None = None) -> int:
         requested = "" if policy_version is None else str(int(policy_version))

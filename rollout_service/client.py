@@ -113,8 +113,11 @@ class RolloutClient:
     def remove_backend(self, backend_id: str) -> None:
         self._call("DELETE", f"/v1/backends/{backend_id}")
 
-    def pause(self, wait_s: float = 0.0) -> dict[str, Any]:
-        return self._call("POST", "/v1/backends/pause", params={"wait": wait_s})
+    def pause(self, wait_s: float = 0.0, ttl_s: Optional[float] = None) -> dict[str, Any]:
+        """Stop new LLM calls for a weight sync; the pause lifts by itself after ``ttl_s``
+        (server default 600 s) unless renewed by pausing again, or ended by resume()."""
+        params = {"wait": wait_s} if ttl_s is None else {"wait": wait_s, "ttl": ttl_s}
+        return self._call("POST", "/v1/backends/pause", params=params)
 
     def resume(self, policy_version: Optional[int] = None) -> dict[str, Any]:
         body = {} if policy_version is None else {"policy_version": policy_version}

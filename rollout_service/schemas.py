@@ -302,6 +302,7 @@ class PauseState(BaseModel):
     paused: bool
     policy_version: int
     inflight_calls: Optional[int] = Field(None, description="LLM calls still running (pause only)")
+    expires_in_s: Optional[float] = Field(None, description="seconds until the pause lifts by itself (pause only)")
 
 
 class Deleted(BaseModel):

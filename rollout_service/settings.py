@@ -45,6 +45,7 @@ class Settings:
     llm_call_timeout_s: float = 300.0
     llm_connect_retries: int = 2
     backend_probe_interval_s: float = 5.0
+    pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
     max_turns: int = 20
     max_new_tokens: int = 1024
     sandbox: str = "bwrap"  # "local" (no isolation) only when asked for explicitly

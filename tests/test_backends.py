@@ -384,7 +384,7 @@ def test_probe_of_a_server_that_hangs_times_out(pool: BackendPool) -> None:
 def test_pause_blocks_new_calls_and_resume_stamps_the_new_version(pool: BackendPool) -> None:
     assert (pool.policy_version(), pool.paused()) == (0, False)
     assert pool.begin_call("running") == 0
-    pool.pause()
+    pool.pause(60)
     assert pool.paused()
     assert pool.begin_call("j") is None
     assert pool.inflight_calls() == 1  # the running call is allowed to finish
@@ -392,7 +392,7 @@ def test_pause_blocks_new_calls_and_resume_stamps_the_new_version(pool: BackendP
     assert pool.inflight_calls() == 0
     assert pool.resume() == 1
     assert pool.begin_call("j") == 1
-    pool.pause()
+    pool.pause(60)
     assert pool.resume(7) == 7 and pool.policy_version() == 7
     assert pool.begin_call("j") == 7
     assert pool.inflight_calls() == 2
@@ -409,7 +409,7 @@ def test_pause_blocks_new_calls_and_resume_stamps_the_new_version(pool: BackendP
 
 def test_wait_resumed_wakes_on_resume_and_honours_stop_and_timeout(pool: BackendPool) -> None:
     assert pool.wait_resumed(0.1, lambda: False)
-    pool.pause()
+    pool.pause(60)
     started = time.monotonic()
     assert not pool.wait_resumed(0.3, lambda: False)
     assert 0.25 < time.monotonic() - started < 2
@@ -443,7 +443,7 @@ def test_no_call_starts_while_paused_under_concurrency(pool: BackendPool, redis_
     for w in workers:
         w.start()
     time.sleep(0.1)
-    pool.pause()
+    pool.pause(60)
     paused_at = time.monotonic()
     time.sleep(0.2)
     resuming_at = time.monotonic()

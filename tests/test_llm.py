@@ -82,6 +82,22 @@ def test_no_call_starts_while_paused_and_calls_after_resume_carry_the_new_versio
     assert versions[calls_at_pause:] == [new_version] * (len(versions) - calls_at_pause)
 
 
+def test_a_pause_the_trainer_never_resumes_lifts_by_itself_and_a_bad_ttl_is_a_400(client, scripted_backend, service):
+    problem = f"Abandoned sync ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend(slow_script(problem, turns=3, delay_s=0.1), model="abandoned")
+    paused = client.pause(ttl_s=1.5)
+    assert paused["paused"] and 0 < paused["expires_in_s"] <= 1.5
+    job_id, = client.submit(math_task(problem), sampling={"model": "abandoned"}).job_ids
+    time.sleep(0.5)
+    assert server_log(backend.url) == [] and httpx.get(f"{service.url}/v1/backends").json()["paused"]
+    view, = client.wait([job_id], timeout_s=60)  # the trainer died: nobody resumes
+    assert view.status.value == "completed" and not httpx.get(f"{service.url}/v1/backends").json()["paused"]
+    for bad in ("0", "-1", "soon"):
+        answer = httpx.post(f"{service.url}/v1/backends/pause", params={"ttl": bad})
+        assert answer.status_code == 400 and "ttl" in answer.json()["error"]["message"]
+    assert not httpx.get(f"{service.url}/v1/backends").json()["paused"]
+
+
 def test_a_job_lagging_behind_its_max_policy_lag_stops_as_stale(client, scripted_backend):
     problem = f"Stale ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend(slow_script(problem, turns=8, delay_s=0.3), model="stale")

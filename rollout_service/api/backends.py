@@ -7,7 +7,9 @@ from flask import Blueprint, Response
 
 from rollout_service.api.common import Query, body, reply, route, seconds_arg, store
 from rollout_service.backends import BackendPool
+from rollout_service.errors import ValidationError
 from rollout_service.schemas import BackendList, BackendSpec, BackendView, Deleted, PauseState, ResumeRequest
+from rollout_service.settings import get_settings
 
 blueprint = Blueprint("backends", __name__)
 
@@ -39,15 +41,23 @@ def delete_backend(backend_id: str) -> Response:
 
 
 @route(blueprint, "post", "/v1/backends/pause", "Stop new LLM calls for a weight sync",
-       response=PauseState, query=(Query("wait", "number", "seconds to wait for running calls to end"),))
+       response=PauseState, query=(
+           Query("wait", "number", "seconds to wait for running calls to end"),
+           Query("ttl", "number", "seconds until the pause lifts by itself unless renewed or resumed "
+                                  "(default ROLLOUT_PAUSE_TTL_S, 600)"),
+       ))
 def pause() -> Response:
     wait_s = seconds_arg("wait", 0.0)
+    ttl_s = seconds_arg("ttl", get_settings().pause_ttl_s)
+    if ttl_s <= 0:
+        raise ValidationError("ttl must be > 0 seconds: how long the pause may last if the trainer never resumes")
     p = pool()
-    p.pause()
+    p.pause(ttl_s)
     deadline = time.monotonic() + wait_s
     while p.inflight_calls() and time.monotonic() < deadline:
         time.sleep(0.02)
-    return reply({"paused": True, "inflight_calls": p.inflight_calls(), "policy_version": p.policy_version()})
+    return reply({"paused": True, "inflight_calls": p.inflight_calls(), "policy_version": p.policy_version(),
+                  "expires_in_s": p.pause_expires_in_s()})
 
 
 @route(blueprint, "post", "/v1/backends/resume", "Resume LLM calls under a (new) policy version",
