@@ -139,6 +139,18 @@ def test_a_stem_answer_scores_one_when_it_names_the_gold_choice_and_zero_otherwi
     assert stem.score(PLANETS, {}).reward == 0.0
 
 
+@pytest.mark.parametrize("finish_answer, final_text, reward", [
+    (None, "What is 19 + 10? Let me restate: 19 + 10.", 0.0),  # an expression equal to the gold is no answer
+    (None, "So it is \\boxed{29}.", 1.0),
+    (None, "First \\boxed{28}, no wait: \\boxed{29}", 1.0),
+    ("29", "", 1.0),
+    ("\\boxed{28}", "\\boxed{29}", 0.0),  # the finish answer is the answer
+])
+def test_a_math_answer_counts_only_from_finish_or_a_boxed_final_message(finish_answer, final_text, reward):
+    handler, task = get_handler("math"), {"problem": "What is 19 + 10?", "answer": "29"}
+    assert handler.score(task, handler.artifact(task, finish_answer, final_text, None)).reward == reward
+
+
 def test_stem_offers_only_finish_unless_python_is_asked_for(tmp_path):
     assert stem.prepare(PLANETS, tmp_path).tools == ("finish",)
     prepared = stem.prepare({**PLANETS, "python": True}, tmp_path)

@@ -34,15 +34,36 @@ class MathHandler:
 
     def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
                  execute: Any) -> dict[str, Any]:
-        return {"answer": answer if answer is not None else final_text}
+        """The finish tool's answer, else the last ``\\boxed{}`` of the final message. Free text
+        without either is no answer: math-verify would find an expression in a restated problem
+        ("19 + 10 ...") and count it right, which a policy learns to exploit."""
+        return {"answer": answer if answer is not None else last_boxed(final_text)}
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
         from math_verify import parse, verify
 
         timeout_s = 5 if threading.current_thread() is threading.main_thread() else None  # signal-based
-        answer = str(submission.get("answer", ""))
+        answer = submission.get("answer")
         gold = parse(f"${task['answer']}$", parsing_timeout=timeout_s)
+        if answer is None or not str(answer).strip():
+            return ScoreResponse(reward=0.0, details={
+                "parsed_answer": [], "parsed_gold": [str(x) for x in gold],
+                "reason": "no final answer: call finish with it, or put it in \\boxed{}"})
+        answer = str(answer)
         predicted = parse(answer, parsing_timeout=timeout_s)
         correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout_s)
         return ScoreResponse(reward=1.0 if correct else 0.0, details={
             "parsed_answer": [str(x) for x in predicted], "parsed_gold": [str(x) for x in gold]})
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """The last ``\\boxed{...}`` of ``text`` (nested braces kept), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for end in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end + 1]
+    return None
