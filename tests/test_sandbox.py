@@ -21,7 +21,7 @@ import redis
 
 from rollout_service.errors import SandboxError, UnknownName
 from rollout_service.sandbox import SANDBOXES, SandboxSpec, create_sandbox, reap_expired
-from rollout_service.sandbox.base import ServerSandbox, descendants, process_start_ticks
+from rollout_service.sandbox.base import ServerSandbox, _descendants_by_scan, descendants, kill_tree, process_start_ticks
 from rollout_service.sandbox.registry import EXPIRY_KEY, registered, sandbox_key
 from rollout_service.sandbox.singularity import ensure_image, singularity_argv
 from rollout_service.settings import get_settings
@@ -375,3 +375,16 @@ def test_the_action_server_starts_with_only_what_it_needs_imported():
              f"rollout_service.tools.bash; print(sorted(m for m in {heavy!r} if m in sys.modules))")
     assert subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
+
+
+def test_descendants_walks_only_the_subtree_and_finds_what_a_full_proc_scan_finds():
+    tree = subprocess.Popen(["bash", "-c", "sleep 30 & (sleep 30 & (sleep 30 & wait) & wait) & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(_descendants_by_scan(tree.pid)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(descendants(tree.pid)) == sorted(_descendants_by_scan(tree.pid)) and len(descendants(tree.pid)) == 5
+    finally:
+        kill_tree(tree.pid)
+        tree.wait()
+    assert descendants(tree.pid) == []
