@@ -211,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
                 groups = run.groups()
                 view = run.view()
             rollout_seconds = time.monotonic() - started
+            if not groups:  # every group uniform (all right or all wrong): nothing to learn from this step
+                history.append({"step": step, "eval_reward": eval_reward, "train_reward": float("nan"),
+                                "accepted_groups": 0, "dropped_groups": view.dropped})
+                print(json.dumps(history[-1]), flush=True)
+                continue
             stats = grpo_step(model, optimizer, groups, args.clip_low, args.clip_high, args.micro_batch)
             train_seconds = time.monotonic() - started - rollout_seconds
             weights.append(push_weights(client, model, args.model_name, args.out, step + 1))

@@ -142,14 +142,15 @@ def test_a_stem_answer_scores_one_when_it_names_the_gold_choice_and_zero_otherwi
 @pytest.mark.parametrize("finish_answer, final_text, reward", [
     (None, "What is 19 + 10? Let me restate: 19 + 10.", 0.0),  # an expression equal to the gold is no answer
     (None, "So it is \\boxed{29}.", 1.0),
-    (None, " 29.\n", 1.0),  # a reply that is just the number is an answer
-    (None, "19 + 10", 0.0),
-    (None, "It is 29", 0.0),
+    (None, " 29.\n", 1.0),
+    (None, "19 + 10 = 29, so 29", 1.0),  # the last number
+    (None, "19 + 10", 0.0),  # the last number of a restatement is an operand
+    (None, "I do not know", 0.0),
     (None, "First \\boxed{28}, no wait: \\boxed{29}", 1.0),
     ("29", "", 1.0),
     ("\\boxed{28}", "\\boxed{29}", 0.0),  # the finish answer is the answer
 ])
-def test_a_math_answer_counts_only_from_finish_a_boxed_or_a_bare_number_final_message(finish_answer, final_text, reward):
+def test_a_math_answer_is_the_finish_answer_or_the_last_boxed_or_number_never_an_expression(finish_answer, final_text, reward):
     handler, task = get_handler("math"), {"problem": "What is 19 + 10?", "answer": "29"}
     assert handler.score(task, handler.artifact(task, finish_answer, final_text, None)).reward == reward
 

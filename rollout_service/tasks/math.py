@@ -9,7 +9,7 @@ from typing import Any, Optional
 from rollout_service.schemas import ScoreResponse
 from rollout_service.tasks import Prepared, require
 
-BARE_NUMBER = re.compile(r"\s*([-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?)\s*\.?\s*")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 SYSTEM_PROMPT = (
     "You are a careful mathematician. Use the ipython tool to compute when useful. "
     "Put the final answer in \\boxed{} and call finish with it."
@@ -37,13 +37,13 @@ class MathHandler:
     def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
                  execute: Any) -> dict[str, Any]:
         """The finish tool's answer, else the last ``\\boxed{}`` of the final message, else the
-        final message if it is nothing but a number ("29", "-3.5", "3/4"). Other free text is no
-        answer: math-verify would find an expression in a restated problem ("19 + 10 ...") and
-        count it right, which a policy learns to exploit."""
+        last number in it (as GSM8K graders do). Never an expression found in free text:
+        math-verify would evaluate a restated problem ("19 + 10 ...") and count it right, which a
+        policy learns to exploit; the last number of a restatement is an operand, not the sum."""
         if answer is not None:
             return {"answer": answer}
-        bare = BARE_NUMBER.fullmatch(final_text)
-        return {"answer": last_boxed(final_text) or (bare.group(1) if bare else None)}
+        numbers = NUMBER.findall(final_text)
+        return {"answer": last_boxed(final_text) or (numbers[-1] if numbers else None)}
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
         from math_verify import parse, verify
@@ -54,7 +54,7 @@ class MathHandler:
         if answer is None or not str(answer).strip():
             return ScoreResponse(reward=0.0, details={
                 "parsed_answer": [], "parsed_gold": [str(x) for x in gold],
-                "reason": "no final answer: call finish with it, put it in \\boxed{}, or reply with just the number"})
+                "reason": "no final answer: no finish answer, and the final message has neither a \\boxed{} nor a number"})
         answer = str(answer)
         predicted = parse(answer, parsing_timeout=timeout_s)
         correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout_s)
