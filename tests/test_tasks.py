@@ -181,6 +181,12 @@ def test_a_correct_humaneval_solution_passes_its_hidden_tests(submission):
     assert result.details["pass_fraction"] == 1.0 and result.details["tests"][0]["status"] == "passed"
 
 
+def test_graded_code_may_import_installed_packages_though_the_grader_skips_site():
+    solution = "import msgpack\ndef add(xs):\n    return msgpack.unpackb(msgpack.packb(sum(xs)))\n"
+    result = code.score(ADD, {"code": solution})
+    assert result.reward == 1.0, result.details
+
+
 def test_a_wrong_humaneval_solution_fails_and_says_why():
     result = code.score(ADD, {"code": "def add(xs):\n    return 0\n"})
     assert result.reward == 0.0

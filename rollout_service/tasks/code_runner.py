@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 STDERR_TAIL_BYTES = 2000
@@ -29,6 +26,7 @@ CHILD = r"""
 import json, os, sys
 def _run():
     payload = json.loads(sys.stdin.read())
+    sys.path.extend(payload.pop("site_paths"))
     token = payload.pop("token")
     namespace = {"__name__": "solution", "__builtins__": __builtins__}
     exec(compile(payload["program"], "solution.py", "exec"), namespace)
@@ -60,15 +58,16 @@ def last_error_line(stderr: bytes) -> str:
     return lines[-1].strip()[:ERROR_CHARS] if lines else ""
 
 
-def run_test(program: str, test: str, timeout_s: float, scratch: str) -> dict:
-    token = secrets.token_hex(16)
+def run_test(program: str, test: str, timeout_s: float, scratch: str, python_flags: list, site_paths: list) -> dict:
+    token = os.urandom(16).hex()
     out_path, err_path = os.path.join(scratch, "out"), os.path.join(scratch, "err")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        child = subprocess.Popen([sys.executable, "-I", "-c", CHILD], stdin=subprocess.PIPE, stdout=out,
+        child = subprocess.Popen([sys.executable, *python_flags, "-c", CHILD], stdin=subprocess.PIPE, stdout=out,
                                  stderr=err, cwd=scratch, start_new_session=True)
     try:
         try:
-            child.stdin.write(json.dumps({"program": program, "test": test, "token": token}).encode())
+            child.stdin.write(json.dumps({"program": program, "test": test, "token": token,
+                                          "site_paths": site_paths}).encode())
             child.stdin.close()
         except BrokenPipeError:
             pass
@@ -89,6 +88,25 @@ def run_test(program: str, test: str, timeout_s: float, scratch: str) -> dict:
     return {"status": "failed", "error": error or f"exited with code {child.returncode} before the test finished"}
 
 
+def remove_tree(path: str) -> None:
+    """shutil.rmtree(path, ignore_errors=True) without importing shutil (paid at every grading)."""
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
+        for name in dirs:
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
 def main(payload_path: str) -> None:
     forbid_inspection()
     with open(payload_path) as f:
@@ -105,12 +123,13 @@ def main(payload_path: str) -> None:
         if remaining <= 0.05:
             results.append({"status": "not_run", "error": "the grading time budget was used up"})
             continue
-        scratch = tempfile.mkdtemp(prefix="test-")
+        scratch = os.path.join(os.environ.get("TMPDIR") or "/tmp", f"test-{os.urandom(8).hex()}")
+        os.mkdir(scratch, 0o700)
         try:
             results.append(run_test(payload["program"], test, min(float(payload["timeout_s"]), remaining),
-                                    scratch))
+                                    scratch, payload.get("python_flags", ["-I"]), payload.get("site_paths", [])))
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            remove_tree(scratch)
     print(f"\n{payload['nonce']} {json.dumps(results)}", flush=True)
 
 
