@@ -43,6 +43,28 @@ def test_enqueued_chains_are_counted_queued_then_unacked_once_delivered(redis_cl
     assert result["first"] == ["workers.init.init_job", "job-a.init"]
 
 
+def test_messages_present_finds_real_messages_across_scan_chunks_and_in_unacked(redis_client, redis_url):
+    result = run_with_broker(redis_url, """
+        import json
+        import redis
+        from workers import dispatch
+        from workers.celery_app import app
+
+        broker = redis.Redis.from_url(app.conf.broker_url)
+        dispatch.SCAN_CHUNK = 7  # many chunks for a few messages
+        dispatch.enqueue_jobs([f"job-{i:03d}" for i in range(40)])
+        with app.connection_for_read() as connection:  # one delivered, not acked: it sits in unacked
+            queue = connection.SimpleQueue("init", no_ack=False)
+            delivered = queue.get(timeout=5).headers["id"]
+            asked = ["job-000.init", "job-013.init", "job-014.init", "job-039.init", "job-000.run", "nobody.init"]
+            print(json.dumps({"present": sorted(dispatch.messages_present(broker, asked + [delivered])),
+                              "delivered": delivered}))
+            queue.close()
+    """)
+    assert result["present"] == sorted({"job-000.init", "job-013.init", "job-014.init", "job-039.init",
+                                        result["delivered"]})
+
+
 def test_served_queues_come_from_live_worker_heartbeats(redis_client, redis_url):
     redis_client.set("rollout:worker:init@a", "init", ex=60)
     redis_client.set("rollout:worker:pair@b", "run,eval", ex=60)

@@ -25,6 +25,7 @@ from workers.stage import STAGE_STATUS, job_store
 
 log = logging.getLogger(__name__)
 LOCK_KEY = "rollout:housekeeping:lock"
+LOST_SCAN_KEY = "rollout:housekeeping:lost-message-scan"
 STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()}
 
 
@@ -79,8 +80,11 @@ def recover_orphans(store: JobStore) -> list[str]:
             crashed[job_id] = (stage, fields.get(f"attempts_{stage}", "0"))
         else:
             unsent[job_id] = stage
-    present = dispatch.messages_present(store.redis, [dispatch.stage_task_id(j, s) for j, s in unsent.items()])
-    lost = {j: s for j, s in unsent.items() if dispatch.stage_task_id(j, s) not in present}
+    lost: dict[str, str] = {}
+    # the broker scan reads every queued message: at most once per lease TTL, however deep the backlog
+    if unsent and store.redis.set(LOST_SCAN_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
+        present = dispatch.messages_present(store.redis, [dispatch.stage_task_id(j, s) for j, s in unsent.items()])
+        lost = {j: s for j, s in unsent.items() if dispatch.stage_task_id(j, s) not in present}
     claims = {  # once per delivery for a dead worker: its message stays unacked for hours
         **{j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker") for j, (s, attempts) in crashed.items()},
         # a lost message: the broker holds the new one from now on, so the next scan sees it

@@ -32,21 +32,22 @@ KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (3, 6, 9)
 KOMBU_UNACKED = "unacked"
 
-# Which of ARGV (task ids) some message in the KEYS (queue lists, then the unacked hash) carries.
-# kombu stores a message as JSON whose first "id" is the task id (Celery's protocol-2 headers).
+# Which of ARGV[3:] (task ids) the messages of list KEYS[1] from index ARGV[1] to ARGV[2] carry
+# (a hash's values when ARGV[1] is -1). kombu stores a message as JSON whose first "id" is the task
+# id (Celery's protocol-2 headers).
 _MESSAGES_PRESENT = """
 local wanted, found = {}, {}
-for _, id in ipairs(ARGV) do wanted[id] = true end
-local function look(raw)
+for i = 3, #ARGV do wanted[ARGV[i]] = true end
+local raws
+if ARGV[1] == '-1' then raws = redis.call('HVALS', KEYS[1])
+else raws = redis.call('LRANGE', KEYS[1], ARGV[1], ARGV[2]) end
+for _, raw in ipairs(raws) do
   local id = string.match(raw, '"id": "([^"]+)"')
   if id and wanted[id] then found[#found + 1] = id; wanted[id] = nil end
 end
-for i = 1, #KEYS - 1 do
-  for _, raw in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do look(raw) end
-end
-for _, raw in ipairs(redis.call('HVALS', KEYS[#KEYS])) do look(raw) end
-return found
+return {found, #raws}
 """
+SCAN_CHUNK = 2000  # messages per server-side scan step: Redis is never blocked for long
 
 
 def stage_task_id(job_id: str, stage: str) -> str:
@@ -111,12 +112,25 @@ def served_queues(client: redis.Redis) -> set[str]:
 
 def messages_present(client: redis.Redis, task_ids: list[str]) -> set[str]:
     """The task ids that some message waiting in a queue, or delivered and not acked yet, carries.
-    One server-side scan of every queue list and the unacked hash (only matches come back)."""
-    if not task_ids:
-        return set()
-    keys = [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
-            for queue in QUEUES for step in (0, *KOMBU_PRIORITY_STEPS)]
-    return {t.decode() for t in client.eval(_MESSAGES_PRESENT, len(keys) + 1, *keys, KOMBU_UNACKED, *task_ids)}
+    Scans every queue list head to tail in chunks of SCAN_CHUNK (kombu pushes at the head and pops
+    at the tail, so a message that stays queued is never skipped), then the unacked hash; only
+    matches come back from the server."""
+    wanted, found = list(task_ids), set()
+    script = client.register_script(_MESSAGES_PRESENT)
+    for key in [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
+                for queue in QUEUES for step in (0, *KOMBU_PRIORITY_STEPS)]:
+        start = 0
+        while wanted:
+            hits, seen = script(keys=[key], args=[start, start + SCAN_CHUNK - 1, *wanted])
+            found.update(t.decode() for t in hits)
+            wanted = [t for t in wanted if t not in found]
+            if seen < SCAN_CHUNK:
+                break
+            start += SCAN_CHUNK
+    if wanted:
+        hits, _ = script(keys=[KOMBU_UNACKED], args=[-1, 0, *wanted])
+        found.update(t.decode() for t in hits)
+    return found
 
 
 def queue_lengths(client: redis.Redis) -> dict[str, dict[str, int]]:
