@@ -47,7 +47,7 @@ for _, raw in ipairs(raws) do
 end
 return {found, #raws}
 """
-SCAN_CHUNK = 2000  # messages per server-side scan step: Redis is never blocked for long
+SCAN_CHUNK = 500  # messages per server-side scan step: ~3 ms of Redis time each (measured, 1 KB messages)
 
 
 def stage_task_id(job_id: str, stage: str) -> str:
