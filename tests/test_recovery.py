@@ -105,7 +105,9 @@ def test_stage_messages_the_broker_lost_are_sent_again_and_waiting_ones_are_not_
         queued, = client.submit(math_task(problem)).job_ids
         assert redis.delete("init", "run") == 2  # popped and never recorded as unacked, as kombu loses them
         waiting, = client.submit(math_task(problem)).job_ids  # its message is in the queue: leave it alone
-        time.sleep(2 * 2 + 3)
+        wait_for(lambda: redis.llen("init") >= 2 and redis.llen("run") >= 1, timeout_s=60,
+                 what="housekeeping to send the lost messages again")
+        time.sleep(2 * 2 + 2 * 2 + 1)  # `waiting` has been a candidate long enough for another scan
         assert redis.llen("init") == 2 and redis.llen("run") == 1, "only the lost messages are sent again"
         start_worker(service, "init")
         start_worker(service, "run")
