@@ -47,7 +47,7 @@ for _, raw in ipairs(raws) do
 end
 return {found, #raws}
 """
-SCAN_CHUNK = 500  # messages per server-side scan step: ~3 ms of Redis time each (measured, 1 KB messages)
+SCAN_CHUNK = 500  # messages per server-side scan step (2,000 took 13 ms of Redis time with 1.6 KB messages)
 
 
 def stage_task_id(job_id: str, stage: str) -> str:
