@@ -363,6 +363,12 @@ class JobStore:
     def transition(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus] = (),
                    **fields: Any) -> bool:
         """Move a non-terminal job to ``to`` (if its status is in ``allowed_from``, when given)."""
+        return self._move(job_id, to, allowed_from, fields) is not None
+
+    def _move(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus],
+              fields: dict[str, Any]) -> Optional[dict[str, str]]:
+        """``transition``; None if the job did not move, else its fields after a terminal move
+        (read once, for the metrics and the finish hooks), or {} after any other move."""
         args: list[Any] = [to.value, ",".join(s.value for s in allowed_from),
                            "1" if to in TERMINAL_STATUSES else "0", job_id]
         for name, value in fields.items():
@@ -370,9 +376,13 @@ class JobStore:
         result = self._call(self._transition, keys=[self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args=args)
         if result == -1:
             raise NotFound(f"no job {job_id!r}: it never existed or its TTL expired")
-        if result == 1 and to in TERMINAL_STATUSES:
-            record_job_finished(self.redis, self.fields(job_id))
-        return result == 1
+        if result != 1:
+            return None
+        if to not in TERMINAL_STATUSES:
+            return {}
+        ended = self.fields(job_id)
+        record_job_finished(self.redis, ended)
+        return ended
 
     def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,
                allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
@@ -381,12 +391,11 @@ class JobStore:
                 code=getattr(error, "code", "internal_error"), message=str(error) or type(error).__name__)
             fields.update(error_code=info.code, error_message=info.message)
         fields.setdefault("finished_at", time.time())
-        ended = self.transition(job_id, status, allowed_from, **fields)
-        if ended and self.on_finished:
-            batch_id = as_text(self._call(self.redis.hget, self.key(job_id), "batch_id") or b"")
+        ended = self._move(job_id, status, allowed_from, fields)
+        if ended is not None:
             for hook in self.on_finished:
-                hook(job_id, batch_id)
-        return ended
+                hook(job_id, ended.get("batch_id", ""))
+        return ended is not None
 
     def set_fields(self, job_id: str, **fields: Any) -> None:
         self._call(self.redis.hset, self.key(job_id), mapping={k: "" if v is None else v for k, v in fields.items()})

@@ -17,11 +17,12 @@ from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepare
 from rollout_service.tasks import get_handler, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
+from workers import dispatch
 from workers.celery_app import app
 from workers.stage import StageContext, run_stage_task
 
 
-@app.task(name="workers.run.run_job", bind=True)
+@app.task(name=dispatch.TASK_NAMES["run"], bind=True)
 def run_job(self: Task, job_id: str) -> None:
     run_stage_task(self, job_id, "run", run_episode)
 
