@@ -33,6 +33,8 @@ class Settings:
     run_concurrency: int = 256  # episodes per run worker process (gevent greenlets)
     eval_concurrency: int = 2
     control_concurrency: int = 4
+    stage_batch_max_jobs: int = 32  # jobs per stage message: one Celery task carries many jobs under load
+    handoff_window_ms: float = 5.0  # a stage gathers the jobs it hands to the next one for this long
     worker_log_level: str = "WARNING"  # INFO logs two lines per task
     task_events: bool = True  # Celery task events, what Flower shows; off saves ~30% of Celery's cost per task
     redis_max_connections: int = 64  # per process; callers beyond it wait for a free one

@@ -17,7 +17,7 @@ def run_with_broker(redis_url: str, code: str, **settings_env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_enqueued_chains_are_counted_queued_then_unacked_once_delivered(redis_client, redis_url):
+def test_jobs_travel_in_messages_of_at_most_the_batch_size_counted_queued_then_unacked(redis_client, redis_url):
     result = run_with_broker(redis_url, """
         import json
         import redis
@@ -25,25 +25,28 @@ def test_enqueued_chains_are_counted_queued_then_unacked_once_delivered(redis_cl
         from workers.celery_app import app
 
         broker = redis.Redis.from_url(app.conf.broker_url)
-        dispatch.enqueue_jobs(["job-a", "job-b", "job-c"])
-        dispatch.enqueue_from("job-d", "run")
+        dispatch.enqueue_jobs(["job-a", "job-b", "job-c", "job-d", "job-e"])
+        dispatch.enqueue_from("job-f", "run")
         before = dispatch.queue_lengths(broker)
         with app.connection_for_read() as connection:  # a consumer takes one message and does not ack it
             queue = connection.SimpleQueue("init", no_ack=False)
             message = queue.get(timeout=5)
-            first = [message.headers["task"], message.headers["id"]]
+            first = {"task": message.headers["task"], "id": message.headers["id"], "args": message.payload[0],
+                     "marks": message.headers[dispatch.JOBS_HEADER]}
             after = dispatch.queue_lengths(broker)
             message.requeue()
             queue.close()
         print(json.dumps({"before": before, "after": after, "first": first}))
-    """)
+    """, ROLLOUT_STAGE_BATCH_MAX_JOBS="2")
     assert result["before"]["init"] == {"queued": 3, "unacked": 0}
     assert result["before"]["run"] == {"queued": 1, "unacked": 0}
     assert result["after"]["init"] == {"queued": 2, "unacked": 1}
-    assert result["first"] == ["workers.init.init_job", "job-a.init"]
+    assert result["first"] == {"task": "workers.init.init_jobs", "id": "job-a.init+1", "args": [["job-a", "job-b"]],
+                               "marks": ["job-a.init", "job-b.init"]}
 
 
-def test_messages_present_finds_real_messages_across_scan_chunks_and_in_unacked(redis_client, redis_url):
+def test_messages_present_finds_jobs_inside_batched_messages_across_scan_chunks_and_in_unacked(
+        redis_client, redis_url):
     result = run_with_broker(redis_url, """
         import json
         import redis
@@ -51,18 +54,19 @@ def test_messages_present_finds_real_messages_across_scan_chunks_and_in_unacked(
         from workers.celery_app import app
 
         broker = redis.Redis.from_url(app.conf.broker_url)
-        dispatch.SCAN_CHUNK = 7  # many chunks for a few messages
-        dispatch.enqueue_jobs([f"job-{i:03d}" for i in range(40)])
+        dispatch.SCAN_CHUNK = 4  # many chunks for a few messages
+        dispatch.enqueue_jobs([f"job-{i:03d}" for i in range(40)])  # 14 messages of up to 3 jobs
         with app.connection_for_read() as connection:  # one delivered, not acked: it sits in unacked
             queue = connection.SimpleQueue("init", no_ack=False)
-            delivered = queue.get(timeout=5).headers["id"]
+            delivered = queue.get(timeout=5).headers[dispatch.JOBS_HEADER]
             asked = ["job-000.init", "job-013.init", "job-014.init", "job-039.init", "job-000.run", "nobody.init"]
-            print(json.dumps({"present": sorted(dispatch.messages_present(broker, asked + [delivered])),
+            print(json.dumps({"present": sorted(dispatch.messages_present(broker, asked + delivered)),
                               "delivered": delivered}))
             queue.close()
-    """)
+    """, ROLLOUT_STAGE_BATCH_MAX_JOBS="3")
+    assert len(result["delivered"]) == 3
     assert result["present"] == sorted({"job-000.init", "job-013.init", "job-014.init", "job-039.init",
-                                        result["delivered"]})
+                                        *result["delivered"]})
 
 
 def test_served_queues_come_from_live_worker_heartbeats(redis_client, redis_url):

@@ -21,6 +21,7 @@ from rollout_service.store import resolve_redis_url
 HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated queues it consumes
 HEARTBEAT_INTERVAL_S = 5
 BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
+worker_slots = 0  # this worker's --concurrency (the largest of --autoscale); 0 outside a worker
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -62,6 +63,8 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
     if isinstance(autoscale, str):
         autoscale = autoscale.split(",")
     slots = max([int(options.get("concurrency") or 0), *(int(n) for n in autoscale if str(n).strip())])
+    global worker_slots
+    worker_slots = slots
     conf.broker_transport_options = {**conf.broker_transport_options,  # type: ignore[attr-defined]
                                      "max_connections": slots + BROKER_SPARE_CONNECTIONS}
 

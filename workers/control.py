@@ -83,8 +83,8 @@ def recover_orphans(store: JobStore) -> list[str]:
     lost: dict[str, str] = {}
     # the broker scan reads every queued message: at most once per lease TTL, however deep the backlog
     if unsent and store.redis.set(LOST_SCAN_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
-        present = dispatch.messages_present(store.redis, [dispatch.stage_task_id(j, s) for j, s in unsent.items()])
-        lost = {j: s for j, s in unsent.items() if dispatch.stage_task_id(j, s) not in present}
+        present = dispatch.messages_present(store.redis, [dispatch.stage_mark(j, s) for j, s in unsent.items()])
+        lost = {j: s for j, s in unsent.items() if dispatch.stage_mark(j, s) not in present}
     claims = {  # once per delivery for a dead worker: its message stays unacked for hours
         **{j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker") for j, (s, attempts) in crashed.items()},
         # a lost message: the broker holds the new one from now on, so the next scan sees it

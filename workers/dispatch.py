@@ -1,27 +1,37 @@
 """The one door to Celery: the only module that names tasks, queues and kombu keys.
 
-Everything else (gateway routes, batches, the control worker) asks this module to enqueue,
-revoke or announce, and never builds a signature itself. Importing it registers the batch
+A stage message carries a list of job ids, not one job: under load one Celery task moves
+dozens of jobs, so Celery's cost per task (delivery, events, ack) is paid per batch. The
+gateway sends a submission's jobs to ``init`` in messages of up to ``stage_batch_max_jobs``;
+each stage hands the jobs it finished to the next through a ``Handoff``, which gathers them
+for ``handoff_window_ms`` into one message. Everything else (gateway routes, batches, the
+control worker) asks this module to enqueue or announce. Importing it registers the batch
 event with the job store (``JobStore.finish`` then announces a batch member's end here).
 """
 from __future__ import annotations
 
 import json
-from typing import Iterable
+import logging
+import os
+import threading
+import time
+from typing import Iterable, Optional, Sequence
 
 import redis
-from celery import chain
 
 from rollout_service import store as job_store_module
 from rollout_service.errors import UnknownName
+from rollout_service.settings import get_settings
 from workers.celery_app import HEARTBEAT_KEY_PREFIX, app
+
+log = logging.getLogger(__name__)
 
 STAGES = ("init", "run", "eval")
 QUEUES = ("init", "run", "eval", "control")
 TASK_NAMES = {
-    "init": "workers.init.init_job",
-    "run": "workers.run.run_job",
-    "eval": "workers.eval.eval_job",
+    "init": "workers.init.init_jobs",
+    "run": "workers.run.run_jobs",
+    "eval": "workers.eval.eval_jobs",
 }
 SCORE_TASK = "workers.eval.score_submission"
 BATCH_MEMBER_DONE_TASK = "workers.control.batch_member_done"
@@ -31,10 +41,12 @@ HOUSEKEEPING_TASK = "workers.control.housekeeping"
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (3, 6, 9)
 KOMBU_UNACKED = "unacked"
+# kombu stores a message body base64-encoded but its headers as plain JSON: this header lists the
+# message's jobs as "<job id>.<stage>" marks, so a server-side scan can tell which jobs a queue holds.
+JOBS_HEADER = "rollout_jobs"
 
-# Which of ARGV[3:] (task ids) the messages of list KEYS[1] from index ARGV[1] to ARGV[2] carry
-# (a hash's values when ARGV[1] is -1). kombu stores a message as JSON whose first "id" is the task
-# id (Celery's protocol-2 headers).
+# Which of ARGV[3:] (marks) the messages of list KEYS[1] from index ARGV[1] to ARGV[2] carry
+# (a hash's values when ARGV[1] is -1).
 _MESSAGES_PRESENT = """
 local wanted, found = {}, {}
 for i = 3, #ARGV do wanted[ARGV[i]] = true end
@@ -42,49 +54,107 @@ local raws
 if ARGV[1] == '-1' then raws = redis.call('HVALS', KEYS[1])
 else raws = redis.call('LRANGE', KEYS[1], ARGV[1], ARGV[2]) end
 for _, raw in ipairs(raws) do
-  local id = string.match(raw, '"id": "([^"]+)"')
-  if id and wanted[id] then found[#found + 1] = id; wanted[id] = nil end
+  local marks = string.match(raw, '"rollout_jobs": %[(.-)%]')
+  if marks then
+    for mark in string.gmatch(marks, '"([^"]+)"') do
+      if wanted[mark] then found[#found + 1] = mark; wanted[mark] = nil end
+    end
+  end
 end
 return {found, #raws}
 """
 SCAN_CHUNK = 500  # messages per server-side scan step (2,000 took 13 ms of Redis time with 1.6 KB messages)
 
 
-def stage_task_id(job_id: str, stage: str) -> str:
+def stage_mark(job_id: str, stage: str) -> str:
+    """The mark of ``job_id`` in a message of ``stage`` (see JOBS_HEADER)."""
     return f"{job_id}.{stage}"
 
 
-def pipeline_for(job_id: str, first_stage: str = "init") -> chain:
-    """init → run → eval (or the tail from ``first_stage``), every link routed to its queue
-    with a deterministic, revocable id."""
-    if first_stage not in STAGES:
-        raise UnknownName("stage", first_stage, STAGES)
-    return chain(*(
-        app.signature(TASK_NAMES[stage], args=(job_id,), immutable=True).set(
-            queue=stage, task_id=stage_task_id(job_id, stage))
-        for stage in STAGES[STAGES.index(first_stage):]
-    ))
-
-
-def stage_task_ids(job_id: str) -> list[str]:
-    return [stage_task_id(job_id, stage) for stage in STAGES]
+def send_stage(stage: str, job_ids: Sequence[str], countdown_s: Optional[float] = None) -> None:
+    """Publish ``job_ids`` to ``stage``'s queue, ``stage_batch_max_jobs`` per message, through one
+    producer (one broker connection for all of them)."""
+    if stage not in STAGES:
+        raise UnknownName("stage", stage, STAGES)
+    size = max(get_settings().stage_batch_max_jobs, 1)
+    with app.producer_or_acquire() as producer:
+        for start in range(0, len(job_ids), size):
+            chunk = list(job_ids[start:start + size])
+            marks = [stage_mark(job_id, stage) for job_id in chunk]
+            task_id = marks[0] if len(chunk) == 1 else f"{marks[0]}+{len(chunk) - 1}"  # as Flower lists it
+            app.send_task(TASK_NAMES[stage], args=(chunk,), queue=stage, producer=producer, countdown=countdown_s,
+                          task_id=task_id, headers={JOBS_HEADER: marks})
 
 
 def enqueue_jobs(job_ids: Iterable[str], first_stage: str = "init") -> None:
-    """Publish every job's chain through one producer (one broker connection for all of them)."""
-    with app.producer_or_acquire() as producer:
-        for job_id in job_ids:
-            pipeline_for(job_id, first_stage).apply_async(producer=producer)
+    """Start jobs at ``first_stage``; each stage hands them on to the next."""
+    send_stage(first_stage, list(job_ids))
 
 
 def enqueue_from(job_id: str, stage: str) -> None:
     """Re-enqueue a job from ``stage`` on (the control worker's recovery of a lost stage)."""
-    enqueue_jobs([job_id], first_stage=stage)
+    send_stage(stage, [job_id])
 
 
-def revoke_job(job_id: str) -> None:
-    """Revoke a job's queued links (workers drop them on delivery)."""
-    app.control.revoke(stage_task_ids(job_id))
+class Handoff:
+    """Gathers the jobs a worker process hands to the next stages and publishes them together:
+    one message per stage per ``window_s`` (or per ``max_jobs``), whatever the number of tasks
+    and episodes that finished meanwhile. ``put`` returns an event set once the job is published;
+    a task waits for its jobs' events before it returns, so its late ack never precedes them."""
+
+    def __init__(self, window_s: float, max_jobs: int) -> None:
+        self.window_s = window_s
+        self.max_jobs = max(max_jobs, 1)
+        self._lock = threading.Lock()
+        self._pending: dict[str, tuple[list[str], threading.Event]] = {}
+        self._wake = threading.Event()
+        self._pid = 0
+
+    def put(self, stage: str, job_id: str) -> threading.Event:
+        with self._lock:
+            if self._pid != os.getpid():  # first use in this process (or a forked child)
+                self._pid, self._pending = os.getpid(), {}
+                threading.Thread(target=self._flush_forever, name="handoff", daemon=True).start()
+            jobs, published = self._pending.setdefault(stage, ([], threading.Event()))
+            jobs.append(job_id)
+            full = len(jobs) >= self.max_jobs
+        if full:
+            self._flush(stage)
+        else:
+            self._wake.set()
+        return published
+
+    def _flush_forever(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            time.sleep(self.window_s)
+            for stage in list(self._pending):
+                self._flush(stage)
+
+    def _flush(self, stage: str) -> None:
+        with self._lock:
+            jobs, published = self._pending.pop(stage, ([], None))
+        if not jobs or published is None:
+            return
+        try:
+            send_stage(stage, jobs)
+        except Exception:  # the broker is away: housekeeping re-sends jobs no message carries
+            log.warning("could not hand %d jobs to %s; housekeeping will re-send them", len(jobs), stage,
+                        exc_info=True)
+        finally:
+            published.set()
+
+
+_handoff: Optional[Handoff] = None
+
+
+def handoff() -> Handoff:
+    global _handoff
+    if _handoff is None:
+        settings = get_settings()
+        _handoff = Handoff(settings.handoff_window_ms / 1000, settings.stage_batch_max_jobs)
+    return _handoff
 
 
 def submit_score(score_id: str) -> None:
@@ -110,12 +180,12 @@ def served_queues(client: redis.Redis) -> set[str]:
     return queues
 
 
-def messages_present(client: redis.Redis, task_ids: list[str]) -> set[str]:
-    """The task ids that some message waiting in a queue, or delivered and not acked yet, carries.
+def messages_present(client: redis.Redis, marks: list[str]) -> set[str]:
+    """The marks (``stage_mark``) that some message waiting in a queue, or delivered and not acked yet, carries.
     Scans every queue list head to tail in chunks of SCAN_CHUNK (kombu pushes at the head and pops
     at the tail, so a message that stays queued is never skipped), then the unacked hash; only
     matches come back from the server."""
-    wanted, found = list(task_ids), set()
+    wanted, found = list(marks), set()
     script = client.register_script(_MESSAGES_PRESENT)
     for key in [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
                 for queue in QUEUES for step in (0, *KOMBU_PRIORITY_STEPS)]:

@@ -5,21 +5,20 @@ import json
 import time
 
 import redis
-from celery import Task
 
 from rollout_service.errors import RolloutError, StoreUnavailable
 from rollout_service.schemas import JobRequest, JobStatus, ScoreRequest
 from rollout_service.tasks import get_handler
 from workers import dispatch
 from workers.celery_app import app
-from workers.stage import StageContext, job_store, run_stage_task
+from workers.stage import StageContext, job_store, run_stage_jobs
 
 SCORE_RESULT_TTL_S = 600
 
 
-@app.task(name=dispatch.TASK_NAMES["eval"], bind=True)
-def eval_job(self: Task, job_id: str) -> None:
-    run_stage_task(self, job_id, "eval", score_job)
+@app.task(name=dispatch.TASK_NAMES["eval"])
+def eval_jobs(job_ids: list[str]) -> None:
+    run_stage_jobs(job_ids, "eval", score_job)
 
 
 def score_job(ctx: StageContext) -> None:

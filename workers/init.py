@@ -1,8 +1,6 @@
 """init queue: everything expensive before the episode — handler, workspace, prompt ids."""
 from __future__ import annotations
 
-from celery import Task
-
 from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, ValidationError
 from rollout_service.schemas import Prepared
@@ -12,12 +10,12 @@ from rollout_service.tokens import renderer_for
 from rollout_service.tools.schemas import tool_schemas
 from workers import dispatch
 from workers.celery_app import app
-from workers.stage import StageContext, run_stage_task
+from workers.stage import StageContext, run_stage_jobs
 
 
-@app.task(name=dispatch.TASK_NAMES["init"], bind=True)
-def init_job(self: Task, job_id: str) -> None:
-    run_stage_task(self, job_id, "init", prepare_job)
+@app.task(name=dispatch.TASK_NAMES["init"])
+def init_jobs(job_ids: list[str]) -> None:
+    run_stage_jobs(job_ids, "init", prepare_job)
 
 
 def prepare_job(ctx: StageContext) -> None:

@@ -1,11 +1,10 @@
 """run queue: boot the sandbox, drive the agent loop, extract the artifact, always tear down."""
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Optional
-
-from celery import Task
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool
@@ -19,12 +18,33 @@ from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
-from workers.stage import StageContext, run_stage_task
+from workers.stage import Slots, StageContext, hand_on, run_stage, wait_published
+
+slots = Slots()
 
 
-@app.task(name=dispatch.TASK_NAMES["run"], bind=True)
-def run_job(self: Task, job_id: str) -> None:
-    run_stage_task(self, job_id, "run", run_episode)
+@app.task(name=dispatch.TASK_NAMES["run"])
+def run_jobs(job_ids: list[str]) -> None:
+    """One episode per job, all at once, as many as this process has free slots for (waiting for
+    one at least); the rest go back to the queue for any run worker."""
+    taken = slots.take(len(job_ids))
+    if taken < len(job_ids):
+        dispatch.send_stage("run", job_ids[taken:])
+    published: list[Optional[threading.Event]] = []
+
+    def episode(job_id: str) -> None:
+        try:
+            if run_stage(job_id, "run", run_episode):
+                published.append(hand_on(job_id, "run"))
+        finally:
+            slots.give_back()
+
+    episodes = [threading.Thread(target=episode, args=(job_id,), name=f"run-{job_id}") for job_id in job_ids[:taken]]
+    for thread in episodes:
+        thread.start()
+    for thread in episodes:
+        thread.join()
+    wait_published(published)
 
 
 def run_episode(ctx: StageContext) -> None:

@@ -1,10 +1,11 @@
-"""What every stage task does around its body: skip finished jobs, count redeliveries,
-hold the job's lease, enforce the deadline, and turn exceptions into a typed status.
+"""What every stage does around its body, per job: skip finished jobs, count redeliveries,
+hold the job's lease, enforce the deadline, turn exceptions into a typed status, and hand a
+job that goes on to the next stage.
 
-A stage costs two Redis round trips of its own (``JobStore.begin_stage`` / ``end_stage``);
-the leases of all stages running in a process are renewed together by one keeper thread.
-Tasks end SUCCESS in Celery's eyes whatever happened to the job (the job's status is the
-record); a stage that ends the job stops the chain by clearing ``request.chain``.
+A stage costs two Redis round trips per job of its own (``JobStore.begin_stage`` /
+``end_stage``); the leases of all jobs in a process are renewed together by one keeper
+thread. Tasks end SUCCESS in Celery's eyes whatever happened to their jobs (a job's status
+is the record).
 """
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
-
-from celery import Task
+from typing import Callable, Iterator, Optional, Sequence
 
 from rollout_service.errors import DeadlineExceeded, RedeliveryLimit, RolloutError
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
 from rollout_service.store import JobStore, redis_client
+from workers import celery_app, dispatch
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ leases = LeaseKeeper()
 
 
 @contextlib.contextmanager
-def stage(task: Task, job_id: str, name: str) -> Iterator[StageContext]:
+def stage(job_id: str, name: str) -> Iterator[StageContext]:
     """Run a stage body at most once at a time per job; end the job on any failure."""
     store = job_store()
     settings = store.settings
@@ -106,9 +106,8 @@ def stage(task: Task, job_id: str, name: str) -> Iterator[StageContext]:
     if verdict == "cancelled":
         store.finish(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value)
         raise SkipStage(f"job {job_id} was cancelled before {name}")
-    if verdict == "leased":
-        raise task.retry(countdown=settings.lease_ttl_s, max_retries=settings.max_redeliveries,
-                         exc=RedeliveryLimit(f"job {job_id} stayed leased by another worker"))
+    if verdict == "leased":  # a live duplicate; should its holder die, housekeeping re-sends the stage
+        raise SkipStage(f"job {job_id} is in {name} under another worker's lease")
     deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
     leases.hold(job_id, owner)
     ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index)
@@ -144,14 +143,60 @@ def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None
         store.finish(job_id, JobStatus.failed, exc)
 
 
-def run_stage_task(task: Task, job_id: str, name: str, body: Callable[[StageContext], None]) -> None:
-    """Run ``body`` as stage ``name``; the chain goes on only while the job does."""
+def run_stage(job_id: str, name: str, body: Callable[[StageContext], None]) -> bool:
+    """Run ``body`` as stage ``name`` of one job; True if the job goes on to the next stage."""
     try:
-        with stage(task, job_id, name) as ctx:
+        with stage(job_id, name) as ctx:
             body(ctx)
     except SkipStage as reason:
         log.info("%s", reason)
-        task.request.chain = None
-        return
-    if ctx.status_after in TERMINAL_STATUSES:
-        task.request.chain = None
+        return False
+    return ctx.status_after not in TERMINAL_STATUSES
+
+
+def hand_on(job_id: str, name: str) -> Optional[threading.Event]:
+    """Hand a job that finished stage ``name`` to the next stage (set once published)."""
+    following = dispatch.STAGES.index(name) + 1
+    if following == len(dispatch.STAGES):
+        return None
+    return dispatch.handoff().put(dispatch.STAGES[following], job_id)
+
+
+def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None]) -> None:
+    """Stage ``name`` for each job in turn, each going on to the next stage as soon as it is done;
+    returns once every one of them is published there."""
+    published = [hand_on(job_id, name) for job_id in job_ids if run_stage(job_id, name, body)]
+    wait_published(published)
+
+
+def wait_published(published: Sequence[Optional[threading.Event]]) -> None:
+    for event in published:
+        if event is not None:
+            event.wait()
+
+
+class Slots:
+    """How many jobs a process runs at once: its worker's --concurrency, however many jobs the
+    messages its tasks receive carry."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self._free = threading.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return celery_app.worker_slots or get_settings().run_concurrency
+
+    def take(self, wanted: int) -> int:
+        """Wait for a free slot, then take up to ``wanted`` of those free."""
+        with self._free:
+            while self.used >= self.capacity:
+                self._free.wait()
+            granted = min(wanted, self.capacity - self.used)
+            self.used += granted
+            return granted
+
+    def give_back(self) -> None:
+        with self._free:
+            self.used -= 1
+            self._free.notify()

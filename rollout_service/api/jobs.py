@@ -220,13 +220,9 @@ def cancel(job_id: str) -> Response:
 
 
 def cancel_job(jobs: JobStore, job_id: str) -> JobView:
-    """Cooperative cancel: flag it; a queued job ends here (its links revoked), a started one
-    at its next turn or stage start. Links of a started job are never revoked: a revoked
-    next stage would leave the job with no one to record its end."""
-    from workers import dispatch
-
-    if jobs.cancel(job_id):
-        dispatch.revoke_job(job_id)
+    """Cooperative cancel: flag it; a queued job ends here (init skips it when its message comes),
+    a started one at its next turn or stage start."""
+    jobs.cancel(job_id)
     return jobs.view(job_id)
 
 
