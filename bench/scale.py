@@ -181,7 +181,7 @@ def start_profilers(tree: list[int], out: Path, seconds: int = 10) -> list[subpr
         else:
             continue
         profilers.append(subprocess.Popen(
-            ["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "100", "-f", "raw", "--nonblocking",
+            ["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "100", "-f", "raw", "--nonblocking", "--subprocesses",
              "-o", str(out / f"{name}.raw")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}))
     return profilers

@@ -59,6 +59,7 @@ for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[3] == '1' then
   redis.call('SREM', KEYS[2], ARGV[4])
   redis.call('PUBLISH', KEYS[3], ARGV[4])
+  return redis.call('HGETALL', KEYS[1])
 end
 return 1
 """
@@ -113,7 +114,20 @@ def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, ret
         health_check_interval=30, socket_keepalive=True, socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-    return redis.Redis(connection_pool=pool)
+    return client_class()(connection_pool=pool)
+
+
+def client_class() -> type[redis.Redis]:
+    """Green worker processes (gevent pools) share round trips across greenlets; others do not."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return redis.Redis
+    if not monkey.is_module_patched("socket"):
+        return redis.Redis
+    from rollout_service.autopipeline import AutoPipelineRedis
+
+    return AutoPipelineRedis
 
 
 def redis_client(settings: Settings | None = None) -> redis.Redis:
@@ -376,13 +390,11 @@ class JobStore:
         result = self._call(self._transition, keys=[self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args=args)
         if result == -1:
             raise NotFound(f"no job {job_id!r}: it never existed or its TTL expired")
-        if result != 1:
-            return None
-        if to not in TERMINAL_STATUSES:
-            return {}
-        ended = self.fields(job_id)
-        record_job_finished(self.redis, ended)
-        return ended
+        if isinstance(result, list):  # a terminal move answers with the job's fields
+            ended = {as_text(name): as_text(value) for name, value in zip(result[::2], result[1::2])}
+            record_job_finished(self.redis, ended)
+            return ended
+        return {} if result == 1 else None
 
     def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,
                allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
@@ -422,22 +434,46 @@ class JobStore:
         return {j.decode() for j in self.redis.smembers(LIVE_JOBS)}
 
     # -- stages: one round trip in, one out ---------------------------------------------
-    def begin_stage(self, job_id: str, stage: str, previous: JobStatus, status: JobStatus,
-                    owner: str) -> tuple[str, list[str]]:
-        """Check the job may enter ``stage``, take its lease, count the delivery and set its
-        status: ``("ok", [deadline_at, attempts, rollout_index])``, or ``("skip", [status])``,
-        ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``."""
-        reply = self._call(self._begin_stage, keys=[self.key(job_id), self.key(job_id, "lease")], args=[
-            previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
-            f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end"])
-        return as_text(reply[0]), [as_text(v) for v in reply[1:]]
+    def begin_stages(self, job_ids: list[str], stage: str, previous: JobStatus, status: JobStatus, owner: str,
+                     reads: tuple[str, ...] = ()) -> list[tuple[str, list[str], dict[str, Optional[bytes]]]]:
+        """For each job: check it may enter ``stage``, take its lease, count the delivery and set its
+        status: ``("ok", [deadline_at, attempts, rollout_index], blobs)``, or ``("skip", [status])``,
+        ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``; ``blobs`` holds the packed
+        blobs named in ``reads``. One round trip for all the jobs."""
+        args = [previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
+                f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end"]
+        if len(job_ids) == 1:  # a green worker's client merges these two with its other greenlets' calls
+            job_id, = job_ids
+            replies = [self._call(self._begin_stage, keys=[self.key(job_id), self.key(job_id, "lease")], args=args)]
+            if reads:
+                replies.append(self._call(self.redis.mget, [self.key(job_id, name) for name in reads]))
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                self._begin_stage(keys=[self.key(job_id), self.key(job_id, "lease")], args=args, client=pipe)
+                if reads:
+                    pipe.mget([self.key(job_id, name) for name in reads])
+            replies = self._execute(pipe)
+        step = 2 if reads else 1
+        return [(as_text(reply[0]), [as_text(v) for v in reply[1:]],
+                 dict(zip(reads, replies[n * step + 1])) if reads else {})
+                for n, reply in enumerate(replies[::step])]
 
-    def end_stage(self, job_id: str, owner: str, **field: Any) -> Optional[JobStatus]:
-        """Release the job's lease, set at most one field; the job's status after the stage."""
-        name, value = next(iter(field.items())) if field else ("", "")
-        status = self._call(self._end_stage, keys=[self.key(job_id), self.key(job_id, "lease")],
-                            args=[owner, name, value])
-        return None if status is None else JobStatus(as_text(status))
+    def end_stages(self, ends: list[tuple[str, str, dict[str, Any]]]) -> list[Optional[JobStatus]]:
+        """For each (job, lease owner, at most one field to set): release the lease, set the field;
+        the jobs' statuses after their stage. One round trip for all the jobs."""
+        if not ends:
+            return []
+        pipe = self.redis.pipeline(transaction=False) if len(ends) > 1 else None
+        replies = []
+        for job_id, owner, field in ends:
+            name, value = next(iter(field.items())) if field else ("", "")
+            call = functools.partial(self._end_stage, keys=[self.key(job_id), self.key(job_id, "lease")],
+                                     args=[owner, name, value])
+            replies.append(call(client=pipe) if pipe is not None else self._call(call))
+        if pipe is not None:
+            replies = self._execute(pipe)
+        return [None if status is None else JobStatus(as_text(status)) for status in replies]
 
     def renew_leases(self, owners: dict[str, str]) -> None:
         """Renew many leases (job id -> owner) in one round trip."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, ValidationError
-from rollout_service.schemas import Prepared
+from rollout_service.schemas import JobRequest, Prepared
 from rollout_service.store import workspace_dir
 from rollout_service.tasks import get_handler
 from rollout_service.tokens import renderer_for
@@ -19,7 +19,7 @@ def init_jobs(job_ids: list[str]) -> None:
 
 
 def prepare_job(ctx: StageContext) -> None:
-    request = ctx.store.request(ctx.job_id)
+    request = JobRequest.model_validate(ctx.blob("request"))
     handler = get_handler(request.task["domain"])
     model, tokenizer = resolve_model(BackendPool(ctx.store.redis), request.sampling.model)
     workspace = workspace_dir(ctx.settings, ctx.job_id)

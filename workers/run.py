@@ -18,7 +18,7 @@ from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
-from workers.stage import Slots, StageContext, hand_on, run_stage, wait_published
+from workers.stage import Slots, StageContext, run_stage_jobs
 
 slots = Slots()
 
@@ -30,12 +30,10 @@ def run_jobs(job_ids: list[str]) -> None:
     taken = slots.take(len(job_ids))
     if taken < len(job_ids):
         dispatch.send_stage("run", job_ids[taken:])
-    published: list[Optional[threading.Event]] = []
 
     def episode(job_id: str) -> None:
         try:
-            if run_stage(job_id, "run", run_episode):
-                published.append(hand_on(job_id, "run"))
+            run_stage_jobs([job_id], "run", run_episode)
         finally:
             slots.give_back()
 
@@ -44,13 +42,11 @@ def run_jobs(job_ids: list[str]) -> None:
         thread.start()
     for thread in episodes:
         thread.join()
-    wait_published(published)
 
 
 def run_episode(ctx: StageContext) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
-    raw_request, raw_prepared = store.get_blobs(job_id, "request", "prepared")
-    request, prepared = JobRequest.model_validate(raw_request), Prepared.model_validate(raw_prepared)
+    request, prepared = JobRequest.model_validate(ctx.blob("request")), Prepared.model_validate(ctx.blob("prepared"))
     handler = get_handler(request.task["domain"])
     pool = BackendPool(store.redis)
     sampling = request.sampling.model_copy(update={"model": prepared.model})

@@ -16,19 +16,22 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-from rollout_service.errors import DeadlineExceeded, RedeliveryLimit, RolloutError
+from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
-from rollout_service.store import JobStore, redis_client
+from rollout_service.store import JobStore, redis_client, unpack
 from workers import celery_app, dispatch
 
 log = logging.getLogger(__name__)
 
 STAGE_STATUS = {"init": JobStatus.initializing, "run": JobStatus.running, "eval": JobStatus.evaluating}
 PREVIOUS_STATUS = {"init": JobStatus.queued, "run": JobStatus.initializing, "eval": JobStatus.running}
+STAGE_READS = {"init": ("request",), "run": ("request", "prepared"), "eval": ("request", "artifact", "trajectory")}
+Begun = tuple[str, list[str], dict[str, Optional[bytes]]]  # JobStore.begin_stages, per job
+Ended = tuple[str, str, dict[str, Any]]  # JobStore.end_stages, per job
 
 
 class SkipStage(Exception):
@@ -44,10 +47,17 @@ class StageContext:
     deadline_at: float
     attempt: int = 1
     rollout_index: int = 0
-    status_after: Optional[JobStatus] = None
+    blobs: dict[str, Optional[bytes]] = field(default_factory=dict)
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
+
+    def blob(self, name: str) -> Any:
+        """A blob the stage read when it began (STAGE_READS)."""
+        data = self.blobs.get(name)
+        if data is None:
+            raise NotFound(f"job {self.job_id!r} has no {name} (yet): check its status first")
+        return unpack(data)
 
 
 def job_store() -> JobStore:
@@ -92,13 +102,17 @@ class LeaseKeeper:
 leases = LeaseKeeper()
 
 
+def new_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
 @contextlib.contextmanager
-def stage(job_id: str, name: str) -> Iterator[StageContext]:
-    """Run a stage body at most once at a time per job; end the job on any failure."""
+def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) -> Iterator[StageContext]:
+    """Run a stage body at most once at a time per job; end the job on any failure. ``begun`` is
+    what ``JobStore.begin_stages`` answered for it; what ``end_stages`` must do is added to ``ended``."""
     store = job_store()
     settings = store.settings
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    verdict, values = store.begin_stage(job_id, name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner)
+    verdict, values, blobs = begun
     if verdict == "missing":
         raise SkipStage(f"job {job_id} does not exist (expired?); {name} has nothing to do")
     if verdict == "skip":
@@ -110,8 +124,8 @@ def stage(job_id: str, name: str) -> Iterator[StageContext]:
         raise SkipStage(f"job {job_id} is in {name} under another worker's lease")
     deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
     leases.hold(job_id, owner)
-    ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index)
-    end_field: dict[str, object] = {}
+    ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index, blobs)
+    end_field: dict[str, Any] = {}
     try:
         if attempts > settings.max_redeliveries:
             raise RedeliveryLimit(
@@ -132,7 +146,7 @@ def stage(job_id: str, name: str) -> Iterator[StageContext]:
         _end_failed(store, job_id, name, exc)
     finally:
         leases.drop(job_id)
-        ctx.status_after = store.end_stage(job_id, owner, **end_field)
+        ended.append((job_id, owner, end_field))
 
 
 def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None:
@@ -143,15 +157,23 @@ def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None
         store.finish(job_id, JobStatus.failed, exc)
 
 
-def run_stage(job_id: str, name: str, body: Callable[[StageContext], None]) -> bool:
-    """Run ``body`` as stage ``name`` of one job; True if the job goes on to the next stage."""
-    try:
-        with stage(job_id, name) as ctx:
-            body(ctx)
-    except SkipStage as reason:
-        log.info("%s", reason)
-        return False
-    return ctx.status_after not in TERMINAL_STATUSES
+def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None]) -> list[str]:
+    """Stage ``name`` for each job in turn, with one round trip to begin them all and one to end
+    them all; the jobs still live go on to the next stage. Returns those, once published there."""
+    store, owner = job_store(), new_owner()
+    begun = store.begin_stages(list(job_ids), name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner,
+                               STAGE_READS[name])
+    ended: list[Ended] = []
+    for job_id, answer in zip(job_ids, begun):
+        try:
+            with stage(job_id, name, answer, owner, ended) as ctx:
+                body(ctx)
+        except SkipStage as reason:
+            log.info("%s", reason)
+    going_on = [job_id for (job_id, _, _), status in zip(ended, store.end_stages(ended))
+                if status is not None and status not in TERMINAL_STATUSES]
+    wait_published([hand_on(job_id, name) for job_id in going_on])
+    return going_on
 
 
 def hand_on(job_id: str, name: str) -> Optional[threading.Event]:
@@ -160,13 +182,6 @@ def hand_on(job_id: str, name: str) -> Optional[threading.Event]:
     if following == len(dispatch.STAGES):
         return None
     return dispatch.handoff().put(dispatch.STAGES[following], job_id)
-
-
-def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None]) -> None:
-    """Stage ``name`` for each job in turn, each going on to the next stage as soon as it is done;
-    returns once every one of them is published there."""
-    published = [hand_on(job_id, name) for job_id in job_ids if run_stage(job_id, name, body)]
-    wait_published(published)
 
 
 def wait_published(published: Sequence[Optional[threading.Event]]) -> None:
