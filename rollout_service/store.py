@@ -20,7 +20,7 @@ from redis.retry import Retry
 from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
 from rollout_service.metrics_recording import record_job_finished
 from rollout_service.schemas import (
-    TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Prepared, Timings, Trajectory,
+    TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Timings, Trajectory,
 )
 from rollout_service.settings import Settings, get_settings
 
@@ -370,9 +370,6 @@ class JobStore:
     def trajectory(self, job_id: str) -> Trajectory:
         return Trajectory.model_validate(self.get_blob(job_id, "trajectory"))
 
-    def put_prepared(self, job_id: str, prepared: Prepared) -> None:
-        self.put_blob(job_id, "prepared", prepared.model_dump(mode="json"))
-
     # -- state changes ----------------------------------------------------------------
     def transition(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus] = (),
                    **fields: Any) -> bool:
@@ -459,20 +456,25 @@ class JobStore:
                  dict(zip(reads, replies[n * step + 1])) if reads else {})
                 for n, reply in enumerate(replies[::step])]
 
-    def end_stages(self, ends: list[tuple[str, str, dict[str, Any]]]) -> list[Optional[JobStatus]]:
-        """For each (job, lease owner, at most one field to set): release the lease, set the field;
-        the jobs' statuses after their stage. One round trip for all the jobs."""
+    def end_stages(self, ends: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> list[Optional[JobStatus]]:
+        """For each (job, lease owner, at most one field to set, blobs to store): store the blobs,
+        release the lease, set the field; the jobs' statuses after their stage. One round trip."""
         if not ends:
             return []
-        pipe = self.redis.pipeline(transaction=False) if len(ends) > 1 else None
-        replies = []
-        for job_id, owner, field in ends:
+        pipe = self.redis.pipeline(transaction=False) if len(ends) > 1 or ends[0][3] else None
+        replies, positions, at = [], [], 0
+        for job_id, owner, field, blobs in ends:
+            for name, obj in blobs.items():
+                pipe.set(self.key(job_id, name), pack(obj), ex=self.settings.job_ttl_s)  # type: ignore[union-attr]
             name, value = next(iter(field.items())) if field else ("", "")
             call = functools.partial(self._end_stage, keys=[self.key(job_id), self.key(job_id, "lease")],
                                      args=[owner, name, value])
             replies.append(call(client=pipe) if pipe is not None else self._call(call))
+            positions.append(at + len(blobs))  # the end script's reply follows the job's SETs
+            at += len(blobs) + 1
         if pipe is not None:
-            replies = self._execute(pipe)
+            answers = self._execute(pipe)
+            replies = [answers[at] for at in positions]
         return [None if status is None else JobStatus(as_text(status)) for status in replies]
 
     def renew_leases(self, owners: dict[str, str]) -> None:

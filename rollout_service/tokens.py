@@ -97,6 +97,10 @@ class ChatRenderer:
                 "tokenizer_config.json / chat_template.jinja"
             )
         self.tokenizer = tokenizer
+        # the Rust tokenizer under a fast transformers tokenizer: the same ids without the wrapper's
+        # per-call Python (most of a turn's tokenization cost); None for a slow tokenizer
+        self._rust = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) \
+            and not getattr(tokenizer, "split_special_tokens", False) else None
         self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts_lock = threading.Lock()
         probe = self.render_text(list(PROBE_CONVERSATION))
@@ -140,6 +144,8 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Tokenize text on its own, with no BOS/EOS added (templates write their own)."""
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def initial_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
@@ -186,6 +192,8 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens kept (tool-call tags may be special tokens)."""
+        if self._rust is not None:
+            return self._rust.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(
             list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
         )

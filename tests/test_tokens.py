@@ -201,3 +201,20 @@ def test_the_tiny_tokenizer_is_built_in_seconds(tmp_path):
     build_tiny_tokenizer(tmp_path / "tok")
     assert time.monotonic() - started < 10
     assert sorted(os.listdir(tmp_path)) == ["tok"]
+
+
+def test_the_renderer_tokenizes_and_decodes_exactly_as_the_transformers_tokenizer_does(renderer):
+    import random
+
+    tokenizer = renderer.tokenizer
+    assert renderer._rust is not None  # the fast path is what this checks
+    rng = random.Random(7)
+    texts = [renderer.render_text([{"role": "user", "content": "what is 2+2?"}], add_generation_prompt=True),
+             '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', "émoji 🎉 ünïcode\t\n  "]
+    texts += ["".join(rng.choice("ab <|>\n 12xyz_im_startend{}\"é") for _ in range(rng.randint(1, 80)))
+              for _ in range(300)]
+    for text in texts:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        assert renderer.encode(text) == ids, text
+        assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False,
+                                                        clean_up_tokenization_spaces=False)

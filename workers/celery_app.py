@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from queue import Empty
+from typing import Any
 
 import redis
 from celery import Celery
@@ -22,6 +23,7 @@ HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated
 HEARTBEAT_INTERVAL_S = 5
 BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
 worker_slots = 0  # this worker's --concurrency (the largest of --autoscale); 0 outside a worker
+consumer_qos: Any = None  # this worker's prefetch window (kombu.common.QoS), once it consumes
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -102,6 +104,8 @@ _wake_soon_when_paused()
 def _announce_queues(sender: object, **_: object) -> None:
     """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell
     (workers/dispatch.py reads it)."""
+    global consumer_qos
+    consumer_qos = getattr(sender, "qos", None)
     queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]
     hostname = sender.hostname  # type: ignore[attr-defined]
     client = redis.Redis.from_url(resolve_redis_url(get_settings()))

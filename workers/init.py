@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, ValidationError
-from rollout_service.schemas import JobRequest, Prepared
+from rollout_service.schemas import BackendView, JobRequest, Prepared
 from rollout_service.store import workspace_dir
 from rollout_service.tasks import get_handler
 from rollout_service.tokens import renderer_for
@@ -15,13 +15,18 @@ from workers.stage import StageContext, run_stage_jobs
 
 @app.task(name=dispatch.TASK_NAMES["init"])
 def init_jobs(job_ids: list[str]) -> None:
-    run_stage_jobs(job_ids, "init", prepare_job)
+    """The batch's jobs one after the other with no Redis round trip of their own (the stage reads
+    and writes for all of them at once), so concurrent batches finish in turn instead of together."""
+    backends: list[BackendView] = []  # read once per batch
+    run_stage_jobs(job_ids, "init", lambda ctx: prepare_job(ctx, backends))
 
 
-def prepare_job(ctx: StageContext) -> None:
+def prepare_job(ctx: StageContext, backends: list[BackendView]) -> None:
     request = JobRequest.model_validate(ctx.blob("request"))
     handler = get_handler(request.task["domain"])
-    model, tokenizer = resolve_model(BackendPool(ctx.store.redis), request.sampling.model)
+    if not backends:
+        backends += BackendPool(ctx.store.redis).list()
+    model, tokenizer = resolve_model(backends, request.sampling.model)
     workspace = workspace_dir(ctx.settings, ctx.job_id)
     workspace.mkdir(parents=True, exist_ok=True)
     prepared = handler.prepare(request.task, workspace)
@@ -35,15 +40,14 @@ def prepare_job(ctx: StageContext) -> None:
         messages = [{"role": "system", "content": request.agent.system_prompt}] + \
             [m for m in messages if m["role"] != "system"]
     prompt_ids = renderer_for(tokenizer).initial_prompt(messages, tool_schemas(tools))
-    ctx.store.put_prepared(ctx.job_id, Prepared(
+    ctx.results["prepared"] = Prepared(
         prompt_ids=prompt_ids, messages=messages, tools=list(tools), model=model, tokenizer=tokenizer,
         workspace=str(workspace), image=prepared.image, extra=prepared.extra,
-    ))
+    ).model_dump(mode="json")
 
 
-def resolve_model(pool: BackendPool, model: str | None) -> tuple[str, str]:
+def resolve_model(backends: list[BackendView], model: str | None) -> tuple[str, str]:
     """The job's model pool and its tokenizer (every backend of a model shares one tokenizer)."""
-    backends = pool.list()
     models = sorted({b.model for b in backends})
     if not models:
         raise NoBackendAvailable("no inference backend is registered: POST /v1/backends "

@@ -21,23 +21,26 @@ from workers.celery_app import app
 from workers.stage import Slots, StageContext, run_stage_jobs
 
 slots = Slots()
+SLOT_WAIT_S = 0.1
 
 
 @app.task(name=dispatch.TASK_NAMES["run"])
 def run_jobs(job_ids: list[str]) -> None:
-    """One episode per job, all at once, as many as this process has free slots for (waiting for
-    one at least); the rest go back to the queue for any run worker."""
-    taken = slots.take(len(job_ids))
+    """One episode per job, all at once, as many as this process has free slots for; the rest go
+    back to the queue for any run worker. (A message can arrive before the prefetch window has
+    shrunk for the jobs already running: a full worker gives it back after SLOT_WAIT_S.)"""
+    taken = slots.take(len(job_ids), SLOT_WAIT_S)
     if taken < len(job_ids):
         dispatch.send_stage("run", job_ids[taken:])
 
-    def episode(job_id: str) -> None:
+    def episode(job_id: str, beyond_first: bool) -> None:
         try:
             run_stage_jobs([job_id], "run", run_episode)
         finally:
-            slots.give_back()
+            slots.give_back(beyond_first)
 
-    episodes = [threading.Thread(target=episode, args=(job_id,), name=f"run-{job_id}") for job_id in job_ids[:taken]]
+    episodes = [threading.Thread(target=episode, args=(job_id, n > 0), name=f"run-{job_id}")
+                for n, job_id in enumerate(job_ids[:taken])]
     for thread in episodes:
         thread.start()
     for thread in episodes:

@@ -31,7 +31,7 @@ STAGE_STATUS = {"init": JobStatus.initializing, "run": JobStatus.running, "eval"
 PREVIOUS_STATUS = {"init": JobStatus.queued, "run": JobStatus.initializing, "eval": JobStatus.running}
 STAGE_READS = {"init": ("request",), "run": ("request", "prepared"), "eval": ("request", "artifact", "trajectory")}
 Begun = tuple[str, list[str], dict[str, Optional[bytes]]]  # JobStore.begin_stages, per job
-Ended = tuple[str, str, dict[str, Any]]  # JobStore.end_stages, per job
+Ended = tuple[str, str, dict[str, Any], dict[str, Any]]  # JobStore.end_stages, per job
 
 
 class SkipStage(Exception):
@@ -48,6 +48,7 @@ class StageContext:
     attempt: int = 1
     rollout_index: int = 0
     blobs: dict[str, Optional[bytes]] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)  # blobs stored with the stage's end
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
@@ -126,6 +127,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) 
     leases.hold(job_id, owner)
     ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index, blobs)
     end_field: dict[str, Any] = {}
+    results: dict[str, Any] = {}
     try:
         if attempts > settings.max_redeliveries:
             raise RedeliveryLimit(
@@ -136,6 +138,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) 
                                    "raise timeouts.job_s or add workers for this queue")
         yield ctx
         end_field = {f"{name}_end": time.time()}
+        results = ctx.results
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
     except RolloutError as exc:
@@ -146,7 +149,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) 
         _end_failed(store, job_id, name, exc)
     finally:
         leases.drop(job_id)
-        ended.append((job_id, owner, end_field))
+        ended.append((job_id, owner, end_field, results))
 
 
 def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None:
@@ -170,7 +173,7 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
                 body(ctx)
         except SkipStage as reason:
             log.info("%s", reason)
-    going_on = [job_id for (job_id, _, _), status in zip(ended, store.end_stages(ended))
+    going_on = [job_id for (job_id, *_), status in zip(ended, store.end_stages(ended))
                 if status is not None and status not in TERMINAL_STATUSES]
     wait_published([hand_on(job_id, name) for job_id in going_on])
     return going_on
@@ -192,7 +195,9 @@ def wait_published(published: Sequence[Optional[threading.Event]]) -> None:
 
 class Slots:
     """How many jobs a process runs at once: its worker's --concurrency, however many jobs the
-    messages its tasks receive carry."""
+    messages its tasks receive carry. Celery counts a message as one task; while a task runs k
+    jobs, the worker's prefetch is lowered by k - 1 (as Celery does for ETA tasks), so a full
+    worker stops taking messages and leaves them in the queue for other workers."""
 
     def __init__(self) -> None:
         self.used = 0
@@ -202,16 +207,20 @@ class Slots:
     def capacity(self) -> int:
         return celery_app.worker_slots or get_settings().run_concurrency
 
-    def take(self, wanted: int) -> int:
-        """Wait for a free slot, then take up to ``wanted`` of those free."""
+    def take(self, wanted: int, wait_s: float) -> int:
+        """Up to ``wanted`` of the free slots, after waiting up to ``wait_s`` for one to free."""
         with self._free:
-            while self.used >= self.capacity:
-                self._free.wait()
-            granted = min(wanted, self.capacity - self.used)
+            self._free.wait_for(lambda: self.used < self.capacity, timeout=wait_s)
+            granted = max(min(wanted, self.capacity - self.used), 0)
             self.used += granted
-            return granted
+        if granted > 1 and celery_app.consumer_qos is not None:
+            celery_app.consumer_qos.decrement_eventually(granted - 1)
+        return granted
 
-    def give_back(self) -> None:
+    def give_back(self, beyond_first: bool) -> None:
+        """A job ended; ``beyond_first``: not the first job its task took (that one is the message's)."""
         with self._free:
             self.used -= 1
             self._free.notify()
+        if beyond_first and celery_app.consumer_qos is not None:
+            celery_app.consumer_qos.increment_eventually(1)
