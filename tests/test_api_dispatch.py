@@ -110,3 +110,33 @@ def test_scoring_meets_a_stalled_redis_as_a_transient_error_to_retry_not_an_inte
     assert result["outcome"].startswith("transient: Redis is unreachable or not answering")
     assert result["stored_during_stall"] == 0
     assert result["after"] == [{"reward": 1.0, "details": result["after"][0]["details"]}]
+
+
+def test_the_handoff_gathers_the_jobs_handed_on_within_its_window_into_one_message(redis_client, redis_url):
+    result = run_with_broker(redis_url, """
+        import json
+        import threading
+        import redis
+        from workers import dispatch
+        from workers.celery_app import app
+
+        broker = redis.Redis.from_url(app.conf.broker_url)
+        handoff = dispatch.Handoff(window_s=2.0, max_jobs=4)
+        published = []
+        threads = [threading.Thread(target=lambda i=i: published.append(handoff.put("eval", f"job-{i}")))
+                   for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        counts = {"before_window": broker.llen("eval"), "all_published": all(e.wait(5) for e in published)}
+        with app.connection_for_read() as connection:
+            queue = connection.SimpleQueue("eval", no_ack=True)
+            marks = [queue.get(timeout=5).headers[dispatch.JOBS_HEADER] for _ in range(broker.llen("eval"))]
+            queue.close()
+        print(json.dumps({**counts, "marks": marks}))
+    """)
+    assert result["before_window"] == 1  # the first four filled a message at once
+    assert result["all_published"]
+    assert sorted(len(m) for m in result["marks"]) == [2, 4]
+    assert sorted(x for m in result["marks"] for x in m) == sorted(f"job-{i}.eval" for i in range(6))

@@ -60,3 +60,29 @@ def test_two_hundred_concurrent_scripted_rollouts_all_complete_token_exact(tmp_p
             assert_trajectory_is_exactly_what_the_server_returned(trajectory, calls)
         time.sleep(0.5)
         assert next(b.live_assignments for b in client.backends() if b.id == backend.id) == 0
+
+
+def test_a_run_worker_runs_no_more_jobs_than_its_slots_however_many_a_message_carries(
+        tmp_path, scripted_server, tiny_tokenizer_dir):
+    url = scripted_server({"episodes": [{"match": "slots-test", "turns": [
+        {"text": tool_call("finish", answer="\\boxed{4}"), "delay_s": 0.6}]}]})
+    with running_service(tmp_path / "service", ROLLOUT_RUN_CONCURRENCY="2") as service, \
+            service.client() as client:
+        backend = client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
+        in_flight: list[int] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            with service.client() as watcher:
+                while not stop.wait(0.05):
+                    in_flight.append(next(b.live_assignments for b in watcher.backends() if b.id == backend.id))
+
+        threading.Thread(target=watch, daemon=True).start()
+        group = client.submit({"domain": "math", "problem": "slots-test: 2 + 2?", "answer": "4"}, n=6,
+                              agent={"tools": ["finish"]})  # one message of six jobs through every stage
+        try:
+            views = client.wait(group.job_ids, timeout_s=120)
+        finally:
+            stop.set()
+        assert [v.status.value for v in views] == ["completed"] * 6
+        assert max(in_flight) == 2, in_flight
