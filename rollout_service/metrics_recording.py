@@ -95,17 +95,19 @@ def stage_durations(fields: Mapping[str, str]) -> dict[str, float]:
     return {stage: seconds for stage, seconds in spans.items() if seconds is not None}
 
 
-def record_job_finished(client: redis.Redis, fields: Mapping[str, str]) -> None:
-    """At a job's terminal transition, with its hash: status, finish_reason, stage times, redeliveries."""
+def record_job_finished(client: redis.Redis, *jobs: Mapping[str, str]) -> None:
+    """At jobs' terminal transitions, with their hashes: status, finish_reason, stage times,
+    redeliveries (one round trip for all of them)."""
     pipe = client.pipeline(transaction=False)
-    _count(pipe, "rollout_jobs_finished", {"status": fields.get("status") or "unknown",
-                                           "finish_reason": fields.get("finish_reason") or "none"})
-    for stage, seconds in stage_durations(fields).items():
-        _observe(pipe, "rollout_stage_duration_seconds", [seconds], {"stage": stage})
-    for stage in ("init", "run", "eval"):
-        extra = int(fields.get(f"attempts_{stage}") or 0) - 1
-        if extra > 0:
-            _count(pipe, "rollout_stage_redeliveries", {"stage": stage}, extra)
+    for fields in jobs:
+        _count(pipe, "rollout_jobs_finished", {"status": fields.get("status") or "unknown",
+                                               "finish_reason": fields.get("finish_reason") or "none"})
+        for stage, seconds in stage_durations(fields).items():
+            _observe(pipe, "rollout_stage_duration_seconds", [seconds], {"stage": stage})
+        for stage in ("init", "run", "eval"):
+            extra = int(fields.get(f"attempts_{stage}") or 0) - 1
+            if extra > 0:
+                _count(pipe, "rollout_stage_redeliveries", {"stage": stage}, extra)
     _execute(pipe, "job")
 
 

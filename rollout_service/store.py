@@ -9,6 +9,8 @@ import functools
 import json
 import time
 import uuid
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -155,6 +157,17 @@ def as_text(value: Any) -> str:
 
 def _float(value: Optional[str]) -> Optional[float]:
     return float(value) if value else None
+
+
+@dataclass
+class StageEnd:
+    """What ends a job's stage, in this order: blobs stored, a terminal move (status, fields), the
+    lease released and at most one field set (``<stage>_end``)."""
+    job_id: str
+    owner: str
+    field: dict[str, Any] = dataclass_field(default_factory=dict)
+    blobs: dict[str, Any] = dataclass_field(default_factory=dict)
+    finish: Optional[tuple[JobStatus, dict[str, Any]]] = None
 
 
 class JobStore:
@@ -380,31 +393,51 @@ class JobStore:
               fields: dict[str, Any]) -> Optional[dict[str, str]]:
         """``transition``; None if the job did not move, else its fields after a terminal move
         (read once, for the metrics and the finish hooks), or {} after any other move."""
+        keys, args = self._transition_call(job_id, to, allowed_from, fields)
+        return self._moved(job_id, self._call(self._transition, keys=keys, args=args), announce=False)
+
+    def _transition_call(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus],
+                         fields: dict[str, Any]) -> tuple[list[str], list[Any]]:
         args: list[Any] = [to.value, ",".join(s.value for s in allowed_from),
                            "1" if to in TERMINAL_STATUSES else "0", job_id]
         for name, value in fields.items():
             args += [name, "" if value is None else value]
-        result = self._call(self._transition, keys=[self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args=args)
+        return [self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args
+
+    def _moved(self, job_id: str, result: Any, announce: bool) -> Optional[dict[str, str]]:
+        """What the transition script answered: None (no move), {} (a move), or the job's fields
+        after a terminal move, then recorded in the metrics and, when ``announce``, told to the
+        finish hooks."""
         if result == -1:
             raise NotFound(f"no job {job_id!r}: it never existed or its TTL expired")
-        if isinstance(result, list):  # a terminal move answers with the job's fields
-            ended = {as_text(name): as_text(value) for name, value in zip(result[::2], result[1::2])}
-            record_job_finished(self.redis, ended)
-            return ended
-        return {} if result == 1 else None
+        ended = self._moved_fields(result)
+        if ended is None:
+            return {} if result == 1 else None
+        self._ended({job_id: ended}, announce)
+        return ended
 
-    def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,
-               allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
+    def _ended(self, ended: dict[str, dict[str, str]], announce: bool) -> None:
+        if not ended:
+            return
+        record_job_finished(self.redis, *ended.values())
+        if announce:
+            for job_id, fields in ended.items():
+                for hook in self.on_finished:
+                    hook(job_id, fields.get("batch_id", ""))
+
+    @staticmethod
+    def finish_fields(error: Optional[Exception | ErrorInfo] = None, **fields: Any) -> dict[str, Any]:
         if error is not None:
             info = error if isinstance(error, ErrorInfo) else ErrorInfo(
                 code=getattr(error, "code", "internal_error"), message=str(error) or type(error).__name__)
             fields.update(error_code=info.code, error_message=info.message)
         fields.setdefault("finished_at", time.time())
-        ended = self._move(job_id, status, allowed_from, fields)
-        if ended is not None:
-            for hook in self.on_finished:
-                hook(job_id, ended.get("batch_id", ""))
-        return ended is not None
+        return fields
+
+    def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,
+               allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
+        keys, args = self._transition_call(job_id, status, allowed_from, self.finish_fields(error, **fields))
+        return self._moved(job_id, self._call(self._transition, keys=keys, args=args), announce=True) is not None
 
     def set_fields(self, job_id: str, **fields: Any) -> None:
         self._call(self.redis.hset, self.key(job_id), mapping={k: "" if v is None else v for k, v in fields.items()})
@@ -456,26 +489,41 @@ class JobStore:
                  dict(zip(reads, replies[n * step + 1])) if reads else {})
                 for n, reply in enumerate(replies[::step])]
 
-    def end_stages(self, ends: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> list[Optional[JobStatus]]:
-        """For each (job, lease owner, at most one field to set, blobs to store): store the blobs,
-        release the lease, set the field; the jobs' statuses after their stage. One round trip."""
+    def end_stages(self, ends: list[StageEnd]) -> list[Optional[JobStatus]]:
+        """For each job: store its blobs, make its terminal move if it has one, release its lease and
+        set its stage's end; the jobs' statuses after their stage. One round trip for all of them
+        (a green worker's client merges a lone job's two calls with its other greenlets')."""
         if not ends:
             return []
-        pipe = self.redis.pipeline(transaction=False) if len(ends) > 1 or ends[0][3] else None
+        pipe = self.redis.pipeline(transaction=False) if len(ends) > 1 or ends[0].blobs or ends[0].finish else None
         replies, positions, at = [], [], 0
-        for job_id, owner, field, blobs in ends:
-            for name, obj in blobs.items():
-                pipe.set(self.key(job_id, name), pack(obj), ex=self.settings.job_ttl_s)  # type: ignore[union-attr]
-            name, value = next(iter(field.items())) if field else ("", "")
-            call = functools.partial(self._end_stage, keys=[self.key(job_id), self.key(job_id, "lease")],
-                                     args=[owner, name, value])
+        for end in ends:
+            for name, obj in end.blobs.items():
+                pipe.set(self.key(end.job_id, name), pack(obj), ex=self.settings.job_ttl_s)  # type: ignore[union-attr]
+            if end.finish is not None:
+                keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
+                self._transition(keys=keys, args=args, client=pipe)
+            name, value = next(iter(end.field.items())) if end.field else ("", "")
+            call = functools.partial(self._end_stage, keys=[self.key(end.job_id), self.key(end.job_id, "lease")],
+                                     args=[end.owner, name, value])
             replies.append(call(client=pipe) if pipe is not None else self._call(call))
-            positions.append(at + len(blobs))  # the end script's reply follows the job's SETs
-            at += len(blobs) + 1
-        if pipe is not None:
-            answers = self._execute(pipe)
-            replies = [answers[at] for at in positions]
-        return [None if status is None else JobStatus(as_text(status)) for status in replies]
+            at += len(end.blobs) + (end.finish is not None)
+            positions.append(at)  # the end script's reply follows the job's SETs and its move
+            at += 1
+        if pipe is None:
+            return [None if status is None else JobStatus(as_text(status)) for status in replies]
+        answers = self._execute(pipe)
+        moved = {end.job_id: answers[at - 1] for end, at in zip(ends, positions) if end.finish is not None}
+        self._ended({job_id: ended for job_id, result in moved.items()
+                     if (ended := self._moved_fields(result)) is not None}, announce=True)
+        return [None if answers[at] is None else JobStatus(as_text(answers[at])) for at in positions]
+
+    @staticmethod
+    def _moved_fields(result: Any) -> Optional[dict[str, str]]:
+        """The job's fields a terminal move answers with (None: the script did not make one)."""
+        if not isinstance(result, list):
+            return None
+        return {as_text(name): as_text(value) for name, value in zip(result[::2], result[1::2])}
 
     def renew_leases(self, owners: dict[str, str]) -> None:
         """Renew many leases (job id -> owner) in one round trip."""

@@ -5,7 +5,6 @@ import json
 import time
 
 import redis
-from celery.signals import celeryd_init
 
 from rollout_service.errors import RolloutError, StoreUnavailable
 from rollout_service.schemas import JobRequest, JobStatus, ScoreRequest
@@ -17,28 +16,18 @@ from workers.stage import StageContext, job_store, run_stage_jobs
 SCORE_RESULT_TTL_S = 600
 
 
-@celeryd_init.connect
-def _import_graders(options: dict, **_: object) -> None:
-    """Prefork children inherit what their parent imported: load the graders' libraries (math-verify
-    pulls in sympy, ~1 s of CPU) once before the fork, not in every child on its first job."""
-    queues = options.get("queues") or ""
-    if "eval" in (queues.split(",") if isinstance(queues, str) else queues):
-        import math_verify  # noqa: F401
-
-
 @app.task(name=dispatch.TASK_NAMES["eval"])
 def eval_jobs(job_ids: list[str]) -> None:
     run_stage_jobs(job_ids, "eval", score_job)
 
 
 def score_job(ctx: StageContext) -> None:
-    store, job_id = ctx.store, ctx.job_id
     request, artifact, trajectory = JobRequest.model_validate(ctx.blob("request")), ctx.blob("artifact"), \
         ctx.blob("trajectory")
     scored = get_handler(request.task["domain"]).score(request.task, artifact)
     trajectory["reward"] = scored.reward  # the stored document as run wrote it, ids untouched
-    store.put_blobs(job_id, trajectory=trajectory, result={"artifact": artifact, "details": scored.details})
-    store.finish(job_id, JobStatus.completed, reward=scored.reward, eval_end=time.time())
+    ctx.results.update(trajectory=trajectory, result={"artifact": artifact, "details": scored.details})
+    ctx.finish_as = (JobStatus.completed, {"reward": scored.reward, "eval_end": time.time()})
 
 
 TRANSIENT = (StoreUnavailable, redis.ConnectionError, redis.TimeoutError)

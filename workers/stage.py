@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
-from rollout_service.store import JobStore, redis_client, unpack
+from rollout_service.store import JobStore, StageEnd, redis_client, unpack
 from workers import celery_app, dispatch
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,6 @@ STAGE_STATUS = {"init": JobStatus.initializing, "run": JobStatus.running, "eval"
 PREVIOUS_STATUS = {"init": JobStatus.queued, "run": JobStatus.initializing, "eval": JobStatus.running}
 STAGE_READS = {"init": ("request",), "run": ("request", "prepared"), "eval": ("request", "artifact", "trajectory")}
 Begun = tuple[str, list[str], dict[str, Optional[bytes]]]  # JobStore.begin_stages, per job
-Ended = tuple[str, str, dict[str, Any], dict[str, Any]]  # JobStore.end_stages, per job
 
 
 class SkipStage(Exception):
@@ -49,6 +48,7 @@ class StageContext:
     rollout_index: int = 0
     blobs: dict[str, Optional[bytes]] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)  # blobs stored with the stage's end
+    finish_as: Optional[tuple[JobStatus, dict[str, Any]]] = None  # a terminal move made with them
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
@@ -108,7 +108,7 @@ def new_owner() -> str:
 
 
 @contextlib.contextmanager
-def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) -> Iterator[StageContext]:
+def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[StageEnd]) -> Iterator[StageContext]:
     """Run a stage body at most once at a time per job; end the job on any failure. ``begun`` is
     what ``JobStore.begin_stages`` answered for it; what ``end_stages`` must do is added to ``ended``."""
     store = job_store()
@@ -126,8 +126,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) 
     deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
     leases.hold(job_id, owner)
     ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index, blobs)
-    end_field: dict[str, Any] = {}
-    results: dict[str, Any] = {}
+    end = StageEnd(job_id, owner)
     try:
         if attempts > settings.max_redeliveries:
             raise RedeliveryLimit(
@@ -137,8 +136,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) 
             raise DeadlineExceeded(f"job deadline passed before {name} started; "
                                    "raise timeouts.job_s or add workers for this queue")
         yield ctx
-        end_field = {f"{name}_end": time.time()}
-        results = ctx.results
+        end.field, end.blobs, end.finish = {f"{name}_end": time.time()}, ctx.results, ctx.finish_as
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
     except RolloutError as exc:
@@ -149,7 +147,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[Ended]) 
         _end_failed(store, job_id, name, exc)
     finally:
         leases.drop(job_id)
-        ended.append((job_id, owner, end_field, results))
+        ended.append(end)
 
 
 def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None:
@@ -166,14 +164,14 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
     store, owner = job_store(), new_owner()
     begun = store.begin_stages(list(job_ids), name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner,
                                STAGE_READS[name])
-    ended: list[Ended] = []
+    ended: list[StageEnd] = []
     for job_id, answer in zip(job_ids, begun):
         try:
             with stage(job_id, name, answer, owner, ended) as ctx:
                 body(ctx)
         except SkipStage as reason:
             log.info("%s", reason)
-    going_on = [job_id for (job_id, *_), status in zip(ended, store.end_stages(ended))
+    going_on = [end.job_id for end, status in zip(ended, store.end_stages(ended))
                 if status is not None and status not in TERMINAL_STATUSES]
     wait_published([hand_on(job_id, name) for job_id in going_on])
     return going_on
