@@ -7,23 +7,30 @@ command ~7 us (measured with 200 greenlets against a local redis-server). This c
 every command a greenlet issues and one flusher greenlet sends whatever has queued as one
 pipeline, so concurrent callers share round trips the way ioredis's auto-pipelining does.
 Each caller still gets its own reply or exception, in order. Blocking commands go straight
-through (they would hold every other caller's reply hostage).
+through (they would hold every other caller's reply hostage). ``fire`` queues a script call
+whose reply nobody needs (the end of an LLM call's accounting) without waiting for it.
 """
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Optional, Sequence
 
 import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+log = logging.getLogger(__name__)
 
 BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BRPOPLPUSH", "BLMOVE", "BLMPOP", "BZPOPMIN", "BZPOPMAX",
                                "BZMPOP", "XREAD", "XREADGROUP", "WAIT", "WAITAOF", "SUBSCRIBE", "PSUBSCRIBE"})
 
 
 class _Waiter:
-    __slots__ = ("args", "options", "event", "reply", "error")
+    __slots__ = ("args", "options", "event", "reply", "error", "script")
 
-    def __init__(self, args: tuple[Any, ...], options: dict[str, Any], event: Any) -> None:
-        self.args, self.options, self.event = args, options, event
+    def __init__(self, args: tuple[Any, ...], options: dict[str, Any], event: Any,
+                 script: Optional[Script] = None) -> None:
+        self.args, self.options, self.event, self.script = args, options, event, script
         self.reply: Any = None
         self.error: BaseException | None = None
 
@@ -35,6 +42,7 @@ class AutoPipelineRedis(redis.Redis):
         super().__init__(*args, **kwargs)
         self._queued: list[_Waiter] = []
         self._flushing = False
+        self._loaded: set[str] = set()  # shas of fired scripts this client has loaded
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
         import gevent
@@ -52,15 +60,31 @@ class AutoPipelineRedis(redis.Redis):
             raise waiter.error
         return waiter.reply
 
+    def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
+        """Queue ``script`` with the next shared round trip and return at once."""
+        import gevent
+
+        self._queued.append(_Waiter(("EVALSHA", script.sha, len(keys), *keys, *args), {}, None, script))
+        if not self._flushing:
+            self._flushing = True
+            gevent.spawn(self._flush)
+
     def _flush(self) -> None:
         try:
             while self._queued:
                 batch, self._queued = self._queued, []
                 try:
                     pipe = self.pipeline(transaction=False)
+                    loads: list[int] = []  # positions of SCRIPT LOADs sent ahead of a fired script
                     for waiter in batch:
+                        if waiter.script is not None and waiter.script.sha not in self._loaded:
+                            loads.append(len(pipe.command_stack))
+                            pipe.execute_command("SCRIPT", "LOAD", waiter.script.script)
+                            self._loaded.add(waiter.script.sha)
                         pipe.execute_command(*waiter.args, **waiter.options)
                     replies = pipe.execute(raise_on_error=False)
+                    for position in reversed(loads):
+                        del replies[position]
                 except BaseException as exc:  # the round trip itself failed: every caller sees it
                     for waiter in batch:
                         waiter.error = exc
@@ -71,6 +95,29 @@ class AutoPipelineRedis(redis.Redis):
                         else:
                             waiter.reply = reply
                 for waiter in batch:
-                    waiter.event.set()
+                    if waiter.event is not None:
+                        waiter.event.set()
+                    elif waiter.error is not None:
+                        self._fired_failed(waiter)
         finally:
             self._flushing = False
+
+    def _fired_failed(self, waiter: _Waiter) -> None:
+        """A fired script the server did not know yet is loaded and run again, directly (this
+        runs in the flusher, which must not wait on itself); any other failure is logged."""
+        try:
+            if isinstance(waiter.error, NoScriptError) and waiter.script is not None:
+                redis.Redis.execute_command(self, "SCRIPT", "LOAD", waiter.script.script)
+                redis.Redis.execute_command(self, *waiter.args)
+                return
+            raise waiter.error  # type: ignore[misc]
+        except Exception:
+            log.warning("a fired Redis call failed: %s", waiter.args[:1], exc_info=True)
+
+
+def fire(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
+    """Run ``script`` without waiting for its reply where the client can (AutoPipelineRedis)."""
+    if isinstance(client, AutoPipelineRedis):
+        client.fire(script, keys, args)
+    else:
+        script(keys=keys, args=args)

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable
 import httpx
 import redis
 
+from rollout_service.autopipeline import fire
+
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView
 from rollout_service.store import as_text
@@ -349,7 +351,9 @@ class BackendPool:
         )
 
     def release(self, job_id: str) -> None:
-        self._release(args=[self.prefix, job_id])
+        """The job is done with its backend (a green worker does not wait: its client's next
+        call, e.g. the end of the stage, is sent after this one)."""
+        fire(self.redis, self._release, args=[self.prefix, job_id])
 
     def move(self, job_id: str, dead_backend_id: str, model: str | None = None) -> BackendView:
         """Move a job off a backend that failed mid-episode (it loses its prefix cache only).
@@ -421,7 +425,8 @@ class BackendPool:
         return None if version is None else int(version)
 
     def end_call(self, job_id: str) -> None:
-        self._end_call(args=[self.prefix, job_id])
+        """The call is over (a green worker does not wait for the reply: nothing depends on it)."""
+        fire(self.redis, self._end_call, args=[self.prefix, job_id])
 
     def inflight_calls(self) -> int:
         return sum(int(count) for count in self.redis.hvals(self._key("calls")))

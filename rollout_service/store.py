@@ -82,7 +82,7 @@ return {'ok', f[3], attempts, f[4] or '0'}
 
 _END_STAGE = """
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], ARGV[2], ARGV[3]) end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return redis.call('HGET', KEYS[1], 'status')
 """
 
@@ -162,10 +162,10 @@ def _float(value: Optional[str]) -> Optional[float]:
 @dataclass
 class StageEnd:
     """What ends a job's stage, in this order: blobs stored, a terminal move (status, fields), the
-    lease released and at most one field set (``<stage>_end``)."""
+    lease released and fields set (``<stage>_end`` last)."""
     job_id: str
     owner: str
-    field: dict[str, Any] = dataclass_field(default_factory=dict)
+    fields: dict[str, Any] = dataclass_field(default_factory=dict)
     blobs: dict[str, Any] = dataclass_field(default_factory=dict)
     finish: Optional[tuple[JobStatus, dict[str, Any]]] = None
 
@@ -491,7 +491,7 @@ class JobStore:
 
     def end_stages(self, ends: list[StageEnd]) -> list[Optional[JobStatus]]:
         """For each job: store its blobs, make its terminal move if it has one, release its lease and
-        set its stage's end; the jobs' statuses after their stage. One round trip for all of them
+        set its fields; the jobs' statuses after their stage. One round trip for all of them
         (a green worker's client merges a lone job's two calls with its other greenlets')."""
         if not ends:
             return []
@@ -503,9 +503,9 @@ class JobStore:
             if end.finish is not None:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
                 self._transition(keys=keys, args=args, client=pipe)
-            name, value = next(iter(end.field.items())) if end.field else ("", "")
             call = functools.partial(self._end_stage, keys=[self.key(end.job_id), self.key(end.job_id, "lease")],
-                                     args=[end.owner, name, value])
+                                     args=[end.owner, *(part for name, value in end.fields.items()
+                                                        for part in (name, "" if value is None else value))])
             replies.append(call(client=pipe) if pipe is not None else self._call(call))
             at += len(end.blobs) + (end.finish is not None)
             positions.append(at)  # the end script's reply follows the job's SETs and its move

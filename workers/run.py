@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -101,8 +100,11 @@ def run_episode(ctx: StageContext) -> None:
                                   lambda: store.cancel_requested(job_id))
         else:
             episode = agent.run(prepared.prompt_ids, prepared.messages)
-        store.put_trajectory(job_id, episode.trajectory)
         artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
+    except BaseException:
+        if episode is not None:  # the episode ran and what followed it failed: keep the episode
+            store.put_trajectory(job_id, episode.trajectory)
+        raise
     finally:
         if episode is None and session is not None:
             store.put_trajectory(job_id, session.build(FinishReason.error))
@@ -113,11 +115,9 @@ def run_episode(ctx: StageContext) -> None:
         llm.release()
     trajectory = episode.trajectory
     record_episode(store.redis, trajectory, sandbox.boot_s if sandbox is not None else None)
-    store.put_blobs(job_id, artifact=artifact)
-    last_backend = next((t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None)
-    store.set_fields(job_id, finish_reason=trajectory.finish_reason.value, backend_id=last_backend,
-                     run_end=time.time())
-    if trajectory.finish_reason == FinishReason.cancelled:
-        store.finish(job_id, JobStatus.cancelled)
-    elif trajectory.finish_reason == FinishReason.deadline:
-        store.finish(job_id, JobStatus.timed_out)
+    ctx.results.update(trajectory=trajectory.model_dump(mode="json"), artifact=artifact)
+    ctx.end_fields.update(finish_reason=trajectory.finish_reason.value, backend_id=next(
+        (t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None))
+    ended = {FinishReason.cancelled: JobStatus.cancelled, FinishReason.deadline: JobStatus.timed_out}
+    if trajectory.finish_reason in ended:
+        ctx.finish_as = (ended[trajectory.finish_reason], dict(ctx.end_fields))

@@ -49,6 +49,7 @@ class StageContext:
     blobs: dict[str, Optional[bytes]] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)  # blobs stored with the stage's end
     finish_as: Optional[tuple[JobStatus, dict[str, Any]]] = None  # a terminal move made with them
+    end_fields: dict[str, Any] = field(default_factory=dict)  # job fields set with the stage's end
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
@@ -136,7 +137,7 @@ def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[StageEnd
             raise DeadlineExceeded(f"job deadline passed before {name} started; "
                                    "raise timeouts.job_s or add workers for this queue")
         yield ctx
-        end.field, end.blobs, end.finish = {f"{name}_end": time.time()}, ctx.results, ctx.finish_as
+        end.fields, end.blobs, end.finish = {**ctx.end_fields, f"{name}_end": time.time()}, ctx.results, ctx.finish_as
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
     except RolloutError as exc:
