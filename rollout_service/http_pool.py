@@ -11,6 +11,7 @@ import http.client
 import os
 import socket
 import threading
+import time
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -28,6 +29,37 @@ class ReadTimedOut(Exception):
 class Transport(Protocol):
     def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
         """POST ``body`` (JSON) to ``url``: (status, response body), or ConnectFailed / ReadTimedOut."""
+
+
+ADDRESS_TTL_S = 30.0
+_addresses: dict[tuple[str, int], tuple[float, tuple]] = {}
+
+
+def resolved(host: str, port: int) -> tuple:
+    """(family, type, proto, sockaddr) to reach host:port, resolved at most every ADDRESS_TTL_S.
+    A green process resolves in a thread pool: a thousand first calls at once queued there."""
+    now = time.monotonic()
+    cached = _addresses.get((host, port))
+    if cached is None or now - cached[0] > ADDRESS_TTL_S:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)[0]
+        cached = _addresses[(host, port)] = (now, (family, kind, proto, sockaddr))
+    return cached[1]
+
+
+class _Connection(http.client.HTTPConnection):
+    """An HTTP connection that connects to a cached address, with Nagle off (small JSON bodies)."""
+
+    def connect(self) -> None:
+        family, kind, proto, sockaddr = resolved(self.host, self.port)
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect(sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 class KeepAlivePool:
@@ -75,7 +107,7 @@ class KeepAlivePool:
             if idle:
                 return idle.pop(), True
         scheme, host, port = key
-        factory = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        factory = http.client.HTTPSConnection if scheme == "https" else _Connection
         return factory(host, port, timeout=connect_timeout_s), False
 
     def _give_back(self, key: tuple[str, str, int], connection: http.client.HTTPConnection) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
 
 
 PROMPT_CACHE_SIZE = 512
+SEGMENT_CACHE_SIZE = 4096  # texts between special tokens (system prompts, tool schemas, role headers)
 _loading = threading.RLock()  # transformers' lazy imports are not thread-safe on first use
 
 
@@ -101,6 +103,8 @@ class ChatRenderer:
         # per-call Python (most of a turn's tokenization cost); None for a slow tokenizer
         self._rust = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) \
             and not getattr(tokenizer, "split_special_tokens", False) else None
+        self._special_split, self._added_ids = self._segmenting(self._rust)
+        self._segments: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts_lock = threading.Lock()
         probe = self.render_text(list(PROBE_CONVERSATION))
@@ -142,11 +146,42 @@ class ChatRenderer:
             add_generation_prompt=add_generation_prompt,
         )
 
+    @staticmethod
+    def _segmenting(rust: Any) -> tuple[Any, dict[str, int]]:
+        """How the tokenizer cuts text at its added tokens before anything else, when that cut is
+        plain: no added token strips spaces, matches whole words only or matches normalized text.
+        Then the texts between them tokenize on their own, and the ones every prompt repeats (the
+        system prompt, tool schemas, role headers) are tokenized once (``encode``)."""
+        if rust is None:
+            return None, {}
+        added = rust.get_added_tokens_decoder()
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
+            return None, {}
+        ids = {t.content: i for i, t in added.items()}
+        return re.compile("(" + "|".join(re.escape(c) for c in sorted(ids, key=len, reverse=True)) + ")"), ids
+
     def encode(self, text: str) -> list[int]:
         """Tokenize text on its own, with no BOS/EOS added (templates write their own)."""
+        if self._special_split is not None:
+            ids: list[int] = []
+            for piece in self._special_split.split(text):
+                if piece in self._added_ids:
+                    ids.append(self._added_ids[piece])
+                elif piece:
+                    ids += self._segment(piece)
+            return ids
         if self._rust is not None:
             return self._rust.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _segment(self, text: str) -> list[int]:
+        ids = self._segments.get(text)
+        if ids is None:
+            ids = self._rust.encode(text, add_special_tokens=False).ids
+            if len(self._segments) >= SEGMENT_CACHE_SIZE:
+                self._segments.popitem(last=False)
+            self._segments[text] = ids
+        return ids
 
     def initial_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The rendered first prompt; the rollouts of a group share one rendering (cached)."""

@@ -204,16 +204,20 @@ def test_the_tiny_tokenizer_is_built_in_seconds(tmp_path):
 
 
 def test_the_renderer_tokenizes_and_decodes_exactly_as_the_transformers_tokenizer_does(renderer):
+    """The renderer calls the Rust tokenizer directly and tokenizes the texts between special tokens
+    on their own, caching those prompts repeat; neither may change a single id."""
     import random
 
     tokenizer = renderer.tokenizer
-    assert renderer._rust is not None  # the fast path is what this checks
+    assert renderer._rust is not None and renderer._special_split is not None  # the fast paths are what this checks
     rng = random.Random(7)
     texts = [renderer.render_text([{"role": "user", "content": "what is 2+2?"}], add_generation_prompt=True),
              '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', "émoji 🎉 ünïcode\t\n  "]
     texts += ["".join(rng.choice("ab <|>\n 12xyz_im_startend{}\"é") for _ in range(rng.randint(1, 80)))
               for _ in range(300)]
-    for text in texts:
+    pieces = [*SPECIAL_TOKENS, " ", "\n", "  x", "user", "é ", "12", "<|", "|>", "<tool_call", "\n\n "]
+    texts += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    for text in texts + texts:  # the second time from the segments cached the first
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         assert renderer.encode(text) == ids, text
         assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False,
