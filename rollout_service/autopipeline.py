@@ -60,6 +60,32 @@ class AutoPipelineRedis(redis.Redis):
             raise waiter.error
         return waiter.reply
 
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> redis.client.Pipeline:
+        """A transaction is its own round trip; a plain pipeline's commands join the shared one."""
+        if transaction:
+            return super().pipeline(transaction, shard_hint)
+        return SharedPipeline(self)
+
+    def run_together(self, commands: list[tuple[tuple[Any, ...], dict[str, Any]]], scripts: Sequence[Script] = (),
+                     wait: bool = True) -> list[Any]:
+        """Queue ``commands`` back to back (the same shared round trip carries them all, in order);
+        their replies (exceptions in place), or nothing at once when not ``wait``."""
+        import gevent
+        from gevent.event import Event
+
+        script_of = {script.sha: script for script in scripts}
+        waiters = [_Waiter(args, options, Event() if wait else None,
+                           script_of.get(args[1]) if args[0] == "EVALSHA" else None) for args, options in commands]
+        self._queued.extend(waiters)
+        if not self._flushing:
+            self._flushing = True
+            gevent.spawn(self._flush)
+        if not wait:
+            return []
+        for waiter in waiters:
+            waiter.event.wait()
+        return [waiter.error if waiter.error is not None else waiter.reply for waiter in waiters]
+
     def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
         """Queue ``script`` with the next shared round trip and return at once."""
         import gevent
@@ -74,10 +100,10 @@ class AutoPipelineRedis(redis.Redis):
             while self._queued:
                 batch, self._queued = self._queued, []
                 try:
-                    pipe = self.pipeline(transaction=False)
+                    pipe = redis.client.Pipeline(self.connection_pool, self.response_callbacks, False, None)
                     loads: list[int] = []  # positions of SCRIPT LOADs sent ahead of a fired script
                     for waiter in batch:
-                        if waiter.script is not None and waiter.script.sha not in self._loaded:
+                        if waiter.script is not None and waiter.script.sha not in self._loaded:  # ahead of it
                             loads.append(len(pipe.command_stack))
                             pipe.execute_command("SCRIPT", "LOAD", waiter.script.script)
                             self._loaded.add(waiter.script.sha)
@@ -90,6 +116,8 @@ class AutoPipelineRedis(redis.Redis):
                         waiter.error = exc
                 else:
                     for waiter, reply in zip(batch, replies):
+                        if isinstance(reply, NoScriptError) and waiter.script is not None:
+                            reply = self._run_unknown_script(waiter)  # the server lost it (restart, flush)
                         if isinstance(reply, Exception):
                             waiter.error = reply
                         else:
@@ -98,21 +126,17 @@ class AutoPipelineRedis(redis.Redis):
                     if waiter.event is not None:
                         waiter.event.set()
                     elif waiter.error is not None:
-                        self._fired_failed(waiter)
+                        log.warning("a fired Redis call failed: %s", waiter.args[:1], exc_info=waiter.error)
         finally:
             self._flushing = False
 
-    def _fired_failed(self, waiter: _Waiter) -> None:
-        """A fired script the server did not know yet is loaded and run again, directly (this
-        runs in the flusher, which must not wait on itself); any other failure is logged."""
+    def _run_unknown_script(self, waiter: _Waiter) -> Any:
+        """Load the script again and run it directly (in the flusher, which must not wait on itself)."""
         try:
-            if isinstance(waiter.error, NoScriptError) and waiter.script is not None:
-                redis.Redis.execute_command(self, "SCRIPT", "LOAD", waiter.script.script)
-                redis.Redis.execute_command(self, *waiter.args)
-                return
-            raise waiter.error  # type: ignore[misc]
-        except Exception:
-            log.warning("a fired Redis call failed: %s", waiter.args[:1], exc_info=True)
+            redis.Redis.execute_command(self, "SCRIPT", "LOAD", waiter.script.script)  # type: ignore[union-attr]
+            return redis.Redis.execute_command(self, *waiter.args, **waiter.options)
+        except Exception as exc:
+            return exc
 
 
 def fire(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
@@ -121,3 +145,32 @@ def fire(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Se
         client.fire(script, keys, args)
     else:
         script(keys=keys, args=args)
+
+
+class SharedPipeline(redis.client.Pipeline):
+    """A non-transactional pipeline of an AutoPipelineRedis: ``execute`` hands its commands to the
+    client's shared round trip instead of taking a connection of its own (scripts included: the
+    flusher loads a script ahead of its first call, no SCRIPT EXISTS round trip)."""
+
+    def __init__(self, client: AutoPipelineRedis) -> None:
+        super().__init__(client.connection_pool, client.response_callbacks, False, None)
+        self.client = client
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        commands, scripts = list(self.command_stack), list(self.scripts)
+        self.reset()
+        if not commands:
+            return []
+        replies = self.client.run_together(commands, scripts)
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies
+
+    def fire(self) -> None:
+        """Send the commands with the next shared round trip and return at once (failures are logged)."""
+        commands, scripts = list(self.command_stack), list(self.scripts)
+        self.reset()
+        if commands:
+            self.client.run_together(commands, scripts, wait=False)

@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 import redis
 
+from rollout_service.autopipeline import SharedPipeline
+
 log = logging.getLogger(__name__)
 
 COUNTERS_KEY = "rollout:metrics:counters"
@@ -73,7 +75,10 @@ def _count(pipe: Any, name: str, labels: Mapping[str, str], amount: int = 1) -> 
 
 def _execute(pipe: Any, what: str) -> None:
     try:
-        pipe.execute()
+        if isinstance(pipe, SharedPipeline):  # nothing waits on a metric in a green worker
+            pipe.fire()
+        else:
+            pipe.execute()
     except redis.RedisError:  # a lost metric must never fail a job
         log.warning("could not record %s metrics", what, exc_info=True)
 

@@ -472,18 +472,12 @@ class JobStore:
         blobs named in ``reads``. One round trip for all the jobs."""
         args = [previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
                 f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end"]
-        if len(job_ids) == 1:  # a green worker's client merges these two with its other greenlets' calls
-            job_id, = job_ids
-            replies = [self._call(self._begin_stage, keys=[self.key(job_id), self.key(job_id, "lease")], args=args)]
+        pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
+        for job_id in job_ids:
+            self._begin_stage(keys=[self.key(job_id), self.key(job_id, "lease")], args=args, client=pipe)
             if reads:
-                replies.append(self._call(self.redis.mget, [self.key(job_id, name) for name in reads]))
-        else:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id in job_ids:
-                self._begin_stage(keys=[self.key(job_id), self.key(job_id, "lease")], args=args, client=pipe)
-                if reads:
-                    pipe.mget([self.key(job_id, name) for name in reads])
-            replies = self._execute(pipe)
+                pipe.mget([self.key(job_id, name) for name in reads])
+        replies = self._execute(pipe)
         step = 2 if reads else 1
         return [(as_text(reply[0]), [as_text(v) for v in reply[1:]],
                  dict(zip(reads, replies[n * step + 1])) if reads else {})
@@ -491,27 +485,23 @@ class JobStore:
 
     def end_stages(self, ends: list[StageEnd]) -> list[Optional[JobStatus]]:
         """For each job: store its blobs, make its terminal move if it has one, release its lease and
-        set its fields; the jobs' statuses after their stage. One round trip for all of them
-        (a green worker's client merges a lone job's two calls with its other greenlets')."""
+        set its fields; the jobs' statuses after their stage. One round trip for all of them."""
         if not ends:
             return []
-        pipe = self.redis.pipeline(transaction=False) if len(ends) > 1 or ends[0].blobs or ends[0].finish else None
-        replies, positions, at = [], [], 0
+        pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
+        positions, at = [], 0
         for end in ends:
             for name, obj in end.blobs.items():
-                pipe.set(self.key(end.job_id, name), pack(obj), ex=self.settings.job_ttl_s)  # type: ignore[union-attr]
+                pipe.set(self.key(end.job_id, name), pack(obj), ex=self.settings.job_ttl_s)
             if end.finish is not None:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
                 self._transition(keys=keys, args=args, client=pipe)
-            call = functools.partial(self._end_stage, keys=[self.key(end.job_id), self.key(end.job_id, "lease")],
-                                     args=[end.owner, *(part for name, value in end.fields.items()
-                                                        for part in (name, "" if value is None else value))])
-            replies.append(call(client=pipe) if pipe is not None else self._call(call))
+            self._end_stage(keys=[self.key(end.job_id), self.key(end.job_id, "lease")], client=pipe,
+                            args=[end.owner, *(part for name, value in end.fields.items()
+                                               for part in (name, "" if value is None else value))])
             at += len(end.blobs) + (end.finish is not None)
             positions.append(at)  # the end script's reply follows the job's SETs and its move
             at += 1
-        if pipe is None:
-            return [None if status is None else JobStatus(as_text(status)) for status in replies]
         answers = self._execute(pipe)
         moved = {end.job_id: answers[at - 1] for end, at in zip(ends, positions) if end.finish is not None}
         self._ended({job_id: ended for job_id, result in moved.items()
