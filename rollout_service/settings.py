@@ -78,7 +78,7 @@ class Settings:
                 ) from exc
         return cls(**values)
 
-    @property
+    @functools.cached_property
     def state_path(self) -> Path:
         return Path(self.state_dir).resolve()
 

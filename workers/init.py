@@ -27,8 +27,7 @@ def prepare_job(ctx: StageContext, backends: list[BackendView]) -> None:
     if not backends:
         backends += BackendPool(ctx.store.redis).list()
     model, tokenizer = resolve_model(backends, request.sampling.model)
-    workspace = workspace_dir(ctx.settings, ctx.job_id)
-    workspace.mkdir(parents=True, exist_ok=True)
+    workspace = workspace_dir(ctx.settings, ctx.job_id)  # made by the handlers that fill it, or the sandbox
     prepared = handler.prepare(request.task, workspace)
     tools = tuple(request.agent.tools) if request.agent.tools is not None else prepared.tools
     unknown = set(tools) - set(prepared.tools)

@@ -87,6 +87,7 @@ def run_episode(ctx: StageContext) -> None:
     episode: Optional[Episode] = None
     try:
         if harness is not None or set(tools) - {"finish"}:
+            Path(prepared.workspace).mkdir(parents=True, exist_ok=True)  # a handler that writes none leaves it to us
             sandbox = create_sandbox(settings.sandbox, SandboxSpec(
                 job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,

@@ -108,6 +108,7 @@ class CodeHandler:
             require(task, "image", str, self.name)
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
+        workspace.mkdir(parents=True, exist_ok=True)
         if is_humaneval(task):
             (workspace / SOLUTION_FILE).write_text(task["prompt"])
             user = (f"Complete this Python function; hidden tests will check it.\n\n```python\n"

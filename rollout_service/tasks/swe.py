@@ -146,7 +146,8 @@ def materialize(repo_path: str, commit: str, target: Path, shallow: bool) -> str
 
 
 def clear_directory(path: Path) -> None:
-    """Empty ``path`` (a redelivered init starts from scratch)."""
+    """Empty ``path``, or make it (a redelivered init starts from scratch)."""
+    path.mkdir(parents=True, exist_ok=True)
     for entry in path.iterdir():
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
