@@ -1,6 +1,8 @@
 """Trainer-side SDK: submit tasks, wait for jobs, fetch token-level trajectories."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -83,11 +85,12 @@ class RolloutClient:
         ids = list(dict.fromkeys(job_ids))
         found: dict[str, Trajectory] = {}
         for start in range(0, len(ids), chunk):
-            doc = self._call("POST", "/v1/jobs/trajectories", msgpack_body=True,
-                             json={"job_ids": ids[start:start + chunk]})
-            for job_id, raw in doc["trajectories"].items():
-                if raw is not None:
-                    found[job_id] = stored_trajectory(raw)
+            with collector_paused():  # millions of ids and logprobs: a full collection would walk them all
+                doc = self._call("POST", "/v1/jobs/trajectories", msgpack_body=True,
+                                 json={"job_ids": ids[start:start + chunk]})
+                for job_id, raw in doc["trajectories"].items():
+                    if raw is not None:
+                        found[job_id] = stored_trajectory(raw)
         return found
 
     def list_jobs(self, status: Optional[str] = None, group_id: Optional[str] = None,
@@ -241,3 +244,17 @@ def stored_trajectory(doc: dict[str, Any]) -> Trajectory:
     if fields.get("finish_reason") is not None:
         fields["finish_reason"] = FinishReason(fields["finish_reason"])
     return Trajectory.model_construct(**fields)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector off while a large document is decoded: it allocates nothing
+    cyclic, and each full collection meanwhile walks every list of ids and logprobs built so far
+    (1,000 trajectories of 8k tokens took 1.2 to 3.7 s to fetch with it on)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

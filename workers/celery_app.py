@@ -62,7 +62,8 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
     ("Too many connections") instead of waiting. A green pool acks from every task's greenlet,
     so hundreds of tasks ending together exhausted it; kombu then dropped the broker connection,
     and a message it had just popped off a queue but not yet recorded as unacked was lost
-    (found in CI: one job of 200 stuck in ``queued``). Size the pool to the worker's slots."""
+    (found in CI: one job of 200 stuck in ``queued``). Size the pool to the worker's slots, and
+    record them (a run worker runs that many jobs, however many its messages carry)."""
     autoscale = options.get("autoscale") or ()
     if isinstance(autoscale, str):
         autoscale = autoscale.split(",")
@@ -71,6 +72,7 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
     worker_slots = slots
     conf.broker_transport_options = {**conf.broker_transport_options,  # type: ignore[attr-defined]
                                      "max_connections": slots + BROKER_SPARE_CONNECTIONS}
+
 
 # What a worker of each queue imports before it serves (prefork children inherit it; nothing is
 # imported in the middle of the first jobs), and the objects gc.freeze() then takes out of the
@@ -131,7 +133,7 @@ _wake_soon_when_paused()
 @worker_ready.connect
 def _announce_queues(sender: object, **_: object) -> None:
     """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell
-    (workers/dispatch.py reads it)."""
+    (workers/dispatch.py reads it); keep the consumer's prefetch window for the run slots."""
     global consumer_qos
     consumer_qos = getattr(sender, "qos", None)
     queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]

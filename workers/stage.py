@@ -2,9 +2,9 @@
 hold the job's lease, enforce the deadline, turn exceptions into a typed status, and hand a
 job that goes on to the next stage.
 
-A stage costs two Redis round trips per job of its own (``JobStore.begin_stage`` /
-``end_stage``); the leases of all jobs in a process are renewed together by one keeper
-thread. Tasks end SUCCESS in Celery's eyes whatever happened to their jobs (a job's status
+A stage begins all the jobs of a message in one Redis round trip (``JobStore.begin_stages``) and
+ends them in one (``end_stages``); the leases of all jobs in a process are renewed together by
+one keeper thread. Tasks end SUCCESS in Celery's eyes whatever happened to their jobs (a job's status
 is the record).
 """
 from __future__ import annotations
