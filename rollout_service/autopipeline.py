@@ -7,8 +7,9 @@ command ~7 us (measured with 200 greenlets against a local redis-server). This c
 every command a greenlet issues and one flusher greenlet sends whatever has queued as one
 pipeline, so concurrent callers share round trips the way ioredis's auto-pipelining does.
 Each caller still gets its own reply or exception, in order. Blocking commands go straight
-through (they would hold every other caller's reply hostage). ``fire`` queues a script call
-whose reply nobody needs (the end of an LLM call's accounting) without waiting for it.
+through (they would hold every other caller's reply hostage). A plain pipeline joins the shared
+round trip too (``SharedPipeline``); ``fire`` queues a script call whose reply nobody needs (the
+end of an LLM call's accounting) without waiting for it, in order with the calls after it.
 """
 from __future__ import annotations
 
@@ -42,23 +43,15 @@ class AutoPipelineRedis(redis.Redis):
         super().__init__(*args, **kwargs)
         self._queued: list[_Waiter] = []
         self._flushing = False
-        self._loaded: set[str] = set()  # shas of fired scripts this client has loaded
+        self._loaded: set[str] = set()  # shas of the scripts this client loaded ahead of their calls
 
     def execute_command(self, *args: Any, **options: Any) -> Any:
-        import gevent
-        from gevent.event import Event
-
         if str(args[0]).upper() in BLOCKING_COMMANDS:
             return super().execute_command(*args, **options)
-        waiter = _Waiter(args, options, Event())
-        self._queued.append(waiter)
-        if not self._flushing:
-            self._flushing = True
-            gevent.spawn(self._flush)
-        waiter.event.wait()
-        if waiter.error is not None:
-            raise waiter.error
-        return waiter.reply
+        reply, = self.run_together([(args, options)])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> redis.client.Pipeline:
         """A transaction is its own round trip; a plain pipeline's commands join the shared one."""
@@ -88,12 +81,7 @@ class AutoPipelineRedis(redis.Redis):
 
     def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
         """Queue ``script`` with the next shared round trip and return at once."""
-        import gevent
-
-        self._queued.append(_Waiter(("EVALSHA", script.sha, len(keys), *keys, *args), {}, None, script))
-        if not self._flushing:
-            self._flushing = True
-            gevent.spawn(self._flush)
+        self.run_together([(("EVALSHA", script.sha, len(keys), *keys, *args), {})], [script], wait=False)
 
     def _flush(self) -> None:
         try:
@@ -101,9 +89,9 @@ class AutoPipelineRedis(redis.Redis):
                 batch, self._queued = self._queued, []
                 try:
                     pipe = redis.client.Pipeline(self.connection_pool, self.response_callbacks, False, None)
-                    loads: list[int] = []  # positions of SCRIPT LOADs sent ahead of a fired script
+                    loads: list[int] = []  # positions of the SCRIPT LOADs sent ahead of a script's first call
                     for waiter in batch:
-                        if waiter.script is not None and waiter.script.sha not in self._loaded:  # ahead of it
+                        if waiter.script is not None and waiter.script.sha not in self._loaded:
                             loads.append(len(pipe.command_stack))
                             pipe.execute_command("SCRIPT", "LOAD", waiter.script.script)
                             self._loaded.add(waiter.script.sha)
