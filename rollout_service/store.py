@@ -199,7 +199,7 @@ class JobStore:
         now = time.time()
         ttl = self.settings.job_ttl_s
         pipe = self.redis.pipeline(transaction=True)  # all records or none
-        created = []
+        created, index_entries = [], {}
         for request in requests:
             gid = group_id or new_id("group")
             blob = pack(request.model_copy(update={"n": 1}).model_dump(mode="json"))
@@ -216,11 +216,12 @@ class JobStore:
                 })
                 pipe.expire(self.key(job_id), ttl)
                 pipe.set(self.key(job_id, "request"), blob, ex=ttl)
-                pipe.sadd(LIVE_JOBS, job_id)
-                pipe.zadd(JOB_INDEX, {job_id: seq})
+                index_entries[job_id] = seq
             pipe.rpush(f"{PREFIX}:group:{gid}", *job_ids)
             pipe.expire(f"{PREFIX}:group:{gid}", ttl)
             created.append((job_ids, gid))
+        pipe.sadd(LIVE_JOBS, *index_entries)
+        pipe.zadd(JOB_INDEX, index_entries)
         self._execute(pipe)
         return created
 
