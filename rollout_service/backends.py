@@ -27,7 +27,6 @@ import httpx
 import redis
 
 from rollout_service.autopipeline import fire
-
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView
 from rollout_service.store import as_text

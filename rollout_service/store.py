@@ -256,9 +256,6 @@ class JobStore:
             raise NotFound(f"no job {job_id!r}: it never existed or its TTL expired")
         return JobStatus(value.decode())
 
-    def request(self, job_id: str) -> JobRequest:
-        return JobRequest.model_validate(self.get_blob(job_id, "request"))
-
     def view(self, job_id: str) -> JobView:
         return self.views([job_id])[0]
 
@@ -523,21 +520,6 @@ class JobStore:
         for job_id, owner in owners.items():
             self._renew_lease(keys=[self.key(job_id, "lease")], args=[owner, ttl_ms], client=pipe)
         self._execute(pipe)
-
-    def put_blobs(self, job_id: str, **blobs: Any) -> None:
-        """Several blobs of one job in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for name, obj in blobs.items():
-            pipe.set(self.key(job_id, name), pack(obj), ex=self.settings.job_ttl_s)
-        self._execute(pipe)
-
-    def get_blobs(self, job_id: str, *names: str) -> list[Any]:
-        """Several blobs of one job in one round trip (NotFound names the first missing one)."""
-        values = self._call(self.redis.mget, [self.key(job_id, name) for name in names])
-        for name, data in zip(names, values):
-            if data is None:
-                raise NotFound(f"job {job_id!r} has no {name} (yet): check its status first")
-        return [unpack(data) for data in values]
 
     def pop_within(self, key: str, timeout_s: float, block_s: float = 1.0) -> Optional[bytes]:
         """BLPOP ``key`` for up to ``timeout_s``, in blocks of ``block_s`` (each under the socket timeout)."""

@@ -71,7 +71,7 @@ def stage_mark(job_id: str, stage: str) -> str:
     return f"{job_id}.{stage}"
 
 
-def send_stage(stage: str, job_ids: Sequence[str], countdown_s: Optional[float] = None) -> None:
+def send_stage(stage: str, job_ids: Sequence[str]) -> None:
     """Publish ``job_ids`` to ``stage``'s queue, ``stage_batch_max_jobs`` per message, through one
     producer (one broker connection for all of them)."""
     if stage not in STAGES:
@@ -82,13 +82,13 @@ def send_stage(stage: str, job_ids: Sequence[str], countdown_s: Optional[float] 
             chunk = list(job_ids[start:start + size])
             marks = [stage_mark(job_id, stage) for job_id in chunk]
             task_id = marks[0] if len(chunk) == 1 else f"{marks[0]}+{len(chunk) - 1}"  # as Flower lists it
-            app.send_task(TASK_NAMES[stage], args=(chunk,), queue=stage, producer=producer, countdown=countdown_s,
-                          task_id=task_id, headers={JOBS_HEADER: marks})
+            app.send_task(TASK_NAMES[stage], args=(chunk,), queue=stage, producer=producer, task_id=task_id,
+                          headers={JOBS_HEADER: marks})
 
 
-def enqueue_jobs(job_ids: Iterable[str], first_stage: str = "init") -> None:
-    """Start jobs at ``first_stage``; each stage hands them on to the next."""
-    send_stage(first_stage, list(job_ids))
+def enqueue_jobs(job_ids: Iterable[str]) -> None:
+    """Start jobs at init; each stage hands them on to the next."""
+    send_stage("init", list(job_ids))
 
 
 def enqueue_from(job_id: str, stage: str) -> None:

@@ -109,10 +109,10 @@ def new_owner() -> str:
 
 
 @contextlib.contextmanager
-def stage(job_id: str, name: str, begun: Begun, owner: str, ended: list[StageEnd]) -> Iterator[StageContext]:
+def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
+          ended: list[StageEnd]) -> Iterator[StageContext]:
     """Run a stage body at most once at a time per job; end the job on any failure. ``begun`` is
     what ``JobStore.begin_stages`` answered for it; what ``end_stages`` must do is added to ``ended``."""
-    store = job_store()
     settings = store.settings
     verdict, values, blobs = begun
     if verdict == "missing":
@@ -168,7 +168,7 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
     ended: list[StageEnd] = []
     for job_id, answer in zip(job_ids, begun):
         try:
-            with stage(job_id, name, answer, owner, ended) as ctx:
+            with stage(store, job_id, name, answer, owner, ended) as ctx:
                 body(ctx)
         except SkipStage as reason:
             log.info("%s", reason)
