@@ -361,3 +361,17 @@ def test_every_example_task_is_valid(path, swe_task):
             assert task["base_commit"] == swe_task["base_commit"]
             task = {**task, "repo_path": swe_task["repo_path"]}
         get_handler(task["domain"]).validate(task)
+
+
+@pytest.mark.parametrize("gold, answer, plain", [
+    ("4", "\\boxed{4}", True), ("4", "$4$", True), ("4", "$\\boxed{4}$", True), ("29", "28", True),
+    ("7", "-7", True), ("0", "-0", True), ("3", "3.0", True), ("0.5", "1/2", True), ("1234567891", "1234567890", True),
+    ("0.1", "0.10000001", False), ("0.3333333", "1/3", False), ("1,000", "1000", False), ("4", "- 4", False),
+    ("x + 1", "1 + x", False), ("12", "12.", False),
+])
+def test_plain_numbers_are_graded_without_math_verify_and_as_it_would(gold, answer, plain):
+    from math_verify import parse, verify
+
+    score = get_handler("math").score({"problem": "?", "answer": gold}, {"answer": answer})
+    assert score.reward == float(verify(parse(f"${gold}$"), parse(answer)))
+    assert (score.details.get("parsed_by") == "plain_number") == plain

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import threading
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Optional
 
@@ -10,6 +11,8 @@ from rollout_service.schemas import ScoreResponse
 from rollout_service.tasks import Prepared, require
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+|/[1-9]\d*)?")
+_WRAPPERS = re.compile(r"^\$(.*)\$$|^\\boxed\{(.*)\}$")
 SYSTEM_PROMPT = (
     "You are a careful mathematician. Use the ipython tool to compute when useful. "
     "Put the final answer in \\boxed{} and call finish with it."
@@ -50,6 +53,9 @@ class MathHandler:
 
         timeout_s = 5 if threading.current_thread() is threading.main_thread() else None  # signal-based
         answer = submission.get("answer")
+        quick = plain_comparison(str(task["answer"]), None if answer is None else str(answer))
+        if quick is not None:
+            return quick
         gold = parse(f"${task['answer']}$", parsing_timeout=timeout_s)
         if answer is None or not str(answer).strip():
             return ScoreResponse(reward=0.0, details={
@@ -60,6 +66,31 @@ class MathHandler:
         correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout_s)
         return ScoreResponse(reward=1.0 if correct else 0.0, details={
             "parsed_answer": [str(x) for x in predicted], "parsed_gold": [str(x) for x in gold]})
+
+
+def plain_number(text: str) -> Optional[str]:
+    """``text`` if it is a bare integer, decimal or fraction (optionally in ``$..$`` or
+    ``\\boxed{}``), else None."""
+    text = text.strip()
+    while (unwrapped := _WRAPPERS.match(text)) is not None:
+        text = (unwrapped.group(1) if unwrapped.group(1) is not None else unwrapped.group(2)).strip()
+    return text if _PLAIN_NUMBER.fullmatch(text) else None
+
+
+def plain_comparison(gold: str, answer: Optional[str]) -> Optional[ScoreResponse]:
+    """The score without math-verify when both sides are plain numbers and the verdict is
+    certain: equal values, or two different integers. math-verify parses each side with an
+    ANTLR LaTeX grammar (~1 ms); decimals that differ go to it for its rounding tolerance."""
+    gold_number = plain_number(gold)
+    answer_number = plain_number(answer) if answer is not None else None
+    if gold_number is None or answer_number is None:
+        return None
+    equal = Fraction(gold_number) == Fraction(answer_number)
+    both_integers = not any(c in gold_number + answer_number for c in "./")
+    if not equal and not both_integers:
+        return None
+    return ScoreResponse(reward=1.0 if equal else 0.0, details={
+        "parsed_answer": [answer_number], "parsed_gold": [gold_number], "parsed_by": "plain_number"})
 
 
 def last_boxed(text: str) -> Optional[str]:
