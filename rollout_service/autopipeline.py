@@ -162,3 +162,48 @@ class SharedPipeline(redis.client.Pipeline):
         self.reset()
         if commands:
             self.client.run_together(commands, scripts, wait=False)
+
+
+class ScriptLoadingRedis(redis.Redis):
+    """``redis.Redis`` for processes that are not green (gateway threads, eval's prefork children):
+    a pipeline loads each script once per client, where redis-py asks SCRIPT EXISTS in a round trip
+    of its own on every execute of a pipeline that calls one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loaded_scripts: set[str] = set()
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> redis.client.Pipeline:
+        return ScriptLoadingPipeline(self, transaction, shard_hint)
+
+
+class ScriptLoadingPipeline(redis.client.Pipeline):
+    def __init__(self, client: ScriptLoadingRedis, transaction: bool, shard_hint: Any) -> None:
+        super().__init__(client.connection_pool, client.response_callbacks, transaction, shard_hint)
+        self.client = client
+
+    def load_scripts(self) -> None:
+        for script in self.scripts:
+            if script.sha not in self.client.loaded_scripts:
+                self.immediate_execute_command("SCRIPT LOAD", script.script)
+                self.client.loaded_scripts.add(script.sha)
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """As redis-py's, and a script the server forgot (restart, SCRIPT FLUSH) is loaded again and
+        its call run on its own: that call did nothing, the others ran."""
+        commands, scripts = list(self.command_stack), {script.sha: script for script in self.scripts}
+        replies = super().execute(raise_on_error=False)
+        for position, reply in enumerate(replies):
+            args, options = commands[position] if position < len(commands) else ((), {})
+            if isinstance(reply, NoScriptError) and args[:1] == ("EVALSHA",) and args[1] in scripts:
+                self.client.loaded_scripts.clear()
+                try:
+                    self.client.execute_command("SCRIPT", "LOAD", scripts[args[1]].script)
+                    replies[position] = self.client.execute_command(*args, **options)
+                except Exception as exc:
+                    replies[position] = exc
+        if raise_on_error:
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        return replies

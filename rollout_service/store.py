@@ -86,6 +86,18 @@ for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return redis.call('HGET', KEYS[1], 'status')
 """
 
+# KEYS: job hashes. The positions (1-based) of the jobs that do not exist and of those that ended:
+# usually few, so a wait on thousands of jobs reads a short answer.
+_MISSING_AND_ENDED = """
+local missing, ended = {}, {}
+for i, key in ipairs(KEYS) do
+  local s = redis.call('HGET', key, 'status')
+  if not s then missing[#missing + 1] = i
+  elseif s == 'completed' or s == 'failed' or s == 'cancelled' or s == 'timed_out' then ended[#ended + 1] = i end
+end
+return {missing, ended}
+"""
+
 _RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -120,16 +132,15 @@ def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, ret
 
 
 def client_class() -> type[redis.Redis]:
-    """Green worker processes (gevent pools) share round trips across greenlets; others do not."""
+    """Green worker processes (gevent pools) share round trips across greenlets; others load
+    their scripts once."""
+    from rollout_service.autopipeline import AutoPipelineRedis, ScriptLoadingRedis
+
     try:
         from gevent import monkey
     except ImportError:
-        return redis.Redis
-    if not monkey.is_module_patched("socket"):
-        return redis.Redis
-    from rollout_service.autopipeline import AutoPipelineRedis
-
-    return AutoPipelineRedis
+        return ScriptLoadingRedis
+    return AutoPipelineRedis if monkey.is_module_patched("socket") else ScriptLoadingRedis
 
 
 def redis_client(settings: Settings | None = None) -> redis.Redis:
@@ -180,6 +191,7 @@ class JobStore:
         self._renew_lease = client.register_script(_RENEW_LEASE)
         self._begin_stage = client.register_script(_BEGIN_STAGE)
         self._end_stage = client.register_script(_END_STAGE)
+        self._missing_and_ended = client.register_script(_MISSING_AND_ENDED)
 
     @staticmethod
     def key(job_id: str, part: str = "") -> str:
@@ -280,6 +292,13 @@ class JobStore:
         for job_id in job_ids:
             pipe.hget(self.key(job_id), "status")
         return [None if v is None else v.decode() for v in self._execute(pipe)]
+
+    def missing_and_ended(self, job_ids: list[str]) -> tuple[list[str], list[str]]:
+        """The jobs that do not exist and those in a terminal status, in one command."""
+        if not job_ids:
+            return [], []
+        missing, ended = self._call(self._missing_and_ended, keys=[self.key(j) for j in job_ids])
+        return [job_ids[i - 1] for i in missing], [job_ids[i - 1] for i in ended]
 
     def list_jobs(self, status: Optional[JobStatus] = None, group_id: Optional[str] = None,
                   batch_id: Optional[str] = None, limit: int = 100, cursor: Optional[int] = None,

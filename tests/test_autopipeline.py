@@ -76,3 +76,40 @@ def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_i
         print(json.dumps({"first": first, "after": after}))
     """)
     assert result == {"first": 5, "after": 9}
+
+
+def test_outside_gevent_a_pipeline_loads_its_script_once_and_again_after_the_server_forgot_it(redis_url):
+    import redis
+
+    from rollout_service.autopipeline import ScriptLoadingRedis
+    from rollout_service.store import client_class
+
+    client = ScriptLoadingRedis.from_url(redis_url)
+    count = client.register_script("return redis.call('INCR', KEYS[1])")
+
+    def exists_calls() -> int:
+        stats = client.info("commandstats")
+        return stats.get("cmdstat_script|exists", {}).get("calls", 0)
+
+    before = exists_calls()
+    replies = []
+    for _ in range(5):
+        pipe = client.pipeline(transaction=False)
+        pipe.set("plain", "x")
+        count(keys=["counted"], client=pipe)
+        replies.append(pipe.execute()[1])
+    client.script_flush()
+    pipe = client.pipeline(transaction=False)
+    count(keys=["counted"], client=pipe)
+    pipe.get("plain")
+    after_flush = pipe.execute()
+    assert replies == [1, 2, 3, 4, 5] and after_flush == [6, b"x"]
+    assert exists_calls() == before
+    pipe = client.pipeline(transaction=False)
+    pipe.hget("plain", "field")
+    try:
+        pipe.execute()
+        raise AssertionError("a wrong-type command must raise")
+    except redis.ResponseError:
+        pass
+    assert client_class() is ScriptLoadingRedis  # this test process is not green

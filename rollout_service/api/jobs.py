@@ -16,7 +16,7 @@ from rollout_service.backends import BackendPool
 from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
 from rollout_service.schemas import (
     MAX_LIST_JOBS, AgentConfig, BulkJobRequest, BulkSubmitResponse, JobIdsRequest, JobList, JobRequest,
-    TERMINAL_STATUSES, JobStatus, JobView, Sampling, ScoreRequest, ScoreResponse, SubmitResponse, TrajectoriesResponse,
+    JobStatus, JobView, Sampling, ScoreRequest, ScoreResponse, SubmitResponse, TrajectoriesResponse,
     Trajectory, WaitRequest, WaitResponse,
 )
 from rollout_service.store import FINISHED_CHANNEL, JobStore, new_id, unpack
@@ -26,7 +26,6 @@ from rollout_service.toolcalls import PARSERS
 blueprint = Blueprint("jobs", __name__)
 WAIT_RECHECK_S = 0.5
 WAIT_LINGER_S = 0.05  # once enough jobs ended, how long to wait for more ending at the same time
-TERMINAL = {s.value for s in TERMINAL_STATUSES}
 
 
 # -- submission checks ------------------------------------------------------------------
@@ -130,11 +129,10 @@ def wait_jobs() -> Response:
     pubsub = jobs.redis.pubsub(ignore_subscribe_messages=True)
     try:
         pubsub.subscribe(FINISHED_CHANNEL)  # before the first check: no end can slip between
-        statuses = jobs.statuses(job_ids)
-        unknown = [j for j, s in zip(job_ids, statuses) if s is None]
+        unknown, ended = jobs.missing_and_ended(job_ids)
         if unknown:
             jobs.views(unknown)  # raises the 404 that names them
-        waiting = {j for j, s in zip(job_ids, statuses) if s not in TERMINAL}
+        waiting = set(job_ids).difference(ended)
         recheck_at = time.monotonic() + WAIT_RECHECK_S
         linger_until = math.inf
         # Ends arrive as messages (a job id each); all statuses are re-read only every
@@ -146,8 +144,7 @@ def wait_jobs() -> Response:
             if now >= min(deadline, linger_until):
                 break
             if now >= recheck_at:
-                ids = list(waiting)
-                waiting = {j for j, s in zip(ids, jobs.statuses(ids)) if s not in TERMINAL}
+                waiting.difference_update(jobs.missing_and_ended(list(waiting))[1])
                 recheck_at = now + WAIT_RECHECK_S
                 continue
             message = pubsub.get_message(timeout=max(min(deadline, linger_until, recheck_at) - now, 0.001))
