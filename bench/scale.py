@@ -212,6 +212,25 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
         return dict(zip(job_ids, pool.map(one, job_ids)))
 
 
+TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
+
+
+def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Path) -> None:
+    """Each job's stage timestamps, in seconds since the submission began (one JSON line per job)."""
+    import redis
+
+    from rollout_service.store import JobStore
+
+    client = redis.Redis.from_url((stack.state / "redis.url").read_text().strip())
+    pipe = client.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hmget(JobStore.key(job_id), *TIMELINE_FIELDS)
+    with path.open("w") as out:
+        for job_id, values in zip(job_ids, pipe.execute()):
+            out.write(json.dumps({"job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
+                                                       for name, v in zip(TIMELINE_FIELDS, values)}}) + "\n")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         state = Path(args.state_dir or tmp)
@@ -230,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 base_rss = rss_mb(tree)
                 cpu_before = cpu_seconds(tree + [sim.pid])
                 bodies = [job_body(args, i) for i in range(args.rollouts)]
-                started = time.monotonic()
+                started, started_at = time.monotonic(), time.time()
                 profilers = start_profilers(tree, Path(args.profile)) if args.profile else []
                 job_ids = submit_all(client, bodies)
                 submitted_s = time.monotonic() - started
@@ -257,6 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 fetch_started = time.monotonic()
                 trajectories = fetch_trajectories(client, job_ids)
                 fetch_s = time.monotonic() - fetch_started
+                if args.timeline:
+                    write_timeline(stack, job_ids, started_at, Path(args.timeline))
         finally:
             sim.terminate()
             sim.wait()
@@ -311,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
     parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
     parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
+    parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     r = run(args)

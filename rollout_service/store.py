@@ -47,6 +47,10 @@ def on_job_finished(hook: OnFinished) -> None:
     if hook not in _ON_FINISHED:
         _ON_FINISHED.append(hook)
 
+# What a terminal move answers with: the fields the metrics and the finish hooks read.
+ENDED_FIELDS = ("status", "finish_reason", "batch_id", "created_at", "init_start", "init_end", "run_start",
+                "run_end", "eval_start", "eval_end", "attempts_init", "attempts_run", "attempts_eval")
+
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -61,10 +65,10 @@ for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if ARGV[3] == '1' then
   redis.call('SREM', KEYS[2], ARGV[4])
   redis.call('PUBLISH', KEYS[3], ARGV[4])
-  return redis.call('HGETALL', KEYS[1])
+  return redis.call('HMGET', KEYS[1], ENDED_FIELDS)
 end
 return 1
-"""
+""".replace("ENDED_FIELDS", ", ".join(f"'{name}'" for name in ENDED_FIELDS))
 
 # Everything a stage checks and records before its body, in one round trip.
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
@@ -530,7 +534,7 @@ class JobStore:
         """The job's fields a terminal move answers with (None: the script did not make one)."""
         if not isinstance(result, list):
             return None
-        return {as_text(name): as_text(value) for name, value in zip(result[::2], result[1::2])}
+        return {name: as_text(value) for name, value in zip(ENDED_FIELDS, result) if value is not None}
 
     def renew_leases(self, owners: dict[str, str]) -> None:
         """Renew many leases (job id -> owner) in one round trip."""
