@@ -82,6 +82,12 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
     return out
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy (all cores, from /proc/stat): sandboxes included."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -97,7 +103,7 @@ def rss_mb(pids: list[int]) -> float:
 class Stack:
     """``rollout-service up`` in a subprocess on free ports, with its own state dir."""
 
-    def __init__(self, state: Path, env: dict[str, str], run_workers: int = 1, init_workers: int = 1) -> None:
+    def __init__(self, state: Path, env: dict[str, str], run_workers: int = 0, init_workers: int = 1) -> None:
         self.state = state
         self.run_workers = run_workers
         self.init_workers = init_workers
@@ -111,8 +117,8 @@ class Stack:
 
     def __enter__(self) -> "Stack":
         log = open(self.state / "up.log", "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference",
-                                         "--run-workers", str(self.run_workers),
+        workers = ["--run-workers", str(self.run_workers)] if self.run_workers else []
+        self.process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference", *workers,
                                          "--init-workers", str(self.init_workers)],
                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 180
@@ -247,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 client.wait(warm, timeout_s=120)
                 tree = process_tree(stack.process.pid)
                 base_rss = rss_mb(tree)
-                cpu_before = cpu_seconds(tree + [sim.pid])
+                cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
                 bodies = [job_body(args, i) for i in range(args.rollouts)]
                 started, started_at = time.monotonic(), time.time()
                 profilers = start_profilers(tree, Path(args.profile)) if args.profile else []
@@ -269,7 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     except DeadlineExceeded:
                         pass
                 wall_s = time.monotonic() - started
-                cpu_after = cpu_seconds(process_tree(stack.process.pid) + [sim.pid])
+                cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
                 for profiler in profilers:
                     profiler.wait()
                 views = [done.get(j) or client.get(j) for j in job_ids]
@@ -296,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tool_s = sum(t.latency_s for t in trajectory.turns if t.kind == "observation")
         boot_s = view.timings.sandbox_boot_s or 0.0
         overheads.append((view.timings.run_s - boot_s - tool_s) / len(calls) - args.delay_s)
-        queued.append(view.timings.queued_s or 0.0)
+        queued.append(view.timings.waits_s.get("init", 0.0))  # the issue's "queued": submit to init start
         tokens.append(len(trajectory.prompt_ids) + len(trajectory.response_ids))
     ideal_s = args.turns * args.delay_s
     return {
@@ -313,6 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "stage_p50_s": {s: round(pct([getattr(v.timings, f"{s}_s") or 0.0 for v in views], 0.5), 4)
                         for s in ("init", "run", "eval")},
         "trajectory_fetch_s": round(fetch_s, 3), "tokens_per_trajectory_p50": pct(tokens, 0.5),
+        "machine_busy_cpu_s": round(busy_s, 2),
         "cpu_s": {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in sorted(cpu_after)},
         "peak_rss_mb": round(peak, 1), "rss_per_rollout_mb": round((peak - base_rss) / args.rollouts, 3),
     }
@@ -327,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filler-tokens", type=int, default=0, help="tokens before each tool call")
     parser.add_argument("--run-concurrency", type=int, default=0, help="per run worker; default: --rollouts")
     parser.add_argument("--init-workers", type=int, default=1, help="init worker processes")
-    parser.add_argument("--run-workers", type=int, default=1, help="run worker processes (rollout-service up --run-workers)")
+    parser.add_argument("--run-workers", type=int, default=0,
+                        help="run worker processes (rollout-service up --run-workers); default: up's own")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
     parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
@@ -342,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {count} x error: {message}")
     print(f"  wall {r['wall_s']} s vs ideal {r['ideal_s']} s (efficiency {r['efficiency']}); submit {r['submit_s']} s")
     print(f"  overhead per turn p50 {r['overhead_per_turn_ms']['p50']} ms, p99 {r['overhead_per_turn_ms']['p99']} ms")
-    print(f"  queued p50 {r['queued_s']['p50']} s, max {r['queued_s']['max']} s; stage p50 {r['stage_p50_s']}")
+    print(f"  queued (submit to init start) p50 {r['queued_s']['p50']} s, max {r['queued_s']['max']} s; "
+          f"stage p50 {r['stage_p50_s']}")
     print(f"  wait before each stage: {r['wait_before_s']}")
     print(f"  fetch {r['rollouts']} trajectories ({r['tokens_per_trajectory_p50']} tokens each): "
           f"{r['trajectory_fetch_s']} s")
-    print(f"  CPU seconds during the run: {r['cpu_s']}")
+    print(f"  CPU seconds during the run: {r['cpu_s']}; whole machine {r['machine_busy_cpu_s']}")
     print(f"  peak RSS {r['peak_rss_mb']} MB, {r['rss_per_rollout_mb']} MB per in-flight rollout")
     if args.json:
         print(json.dumps({"bench": "scale", **r}))

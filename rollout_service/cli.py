@@ -187,6 +187,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop_now = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731
     for stop_signal in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's `cmd &` starts it ignored
         signal.signal(stop_signal, stop_now)
+    run_workers = args.run_workers or settings.run_workers
     try:
         with_reference = not args.no_reference
         if with_reference:
@@ -196,7 +197,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             supervisor.start("reference", reference_command(settings, model_dir))
         supervisor.start("gateway", gateway_command(settings))
         for queue in WORKER_POOLS:
-            copies = {"run": args.run_workers, "init": args.init_workers}.get(queue, 1)
+            copies = {"run": run_workers, "init": args.init_workers}.get(queue, 1)
             for index in range(copies):
                 suffix = f"-{index + 1}" if copies > 1 else ""
                 supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
@@ -220,7 +221,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
               f"  flower     http://{address}:{settings.flower_port}{everywhere}\n"
               + (f"  reference  {reference}  (model '{reference_model_name(settings.reference_model)}', registered and healthy)\n" if with_reference else "")
-              + f"  workers    init x{args.init_workers}, run x{args.run_workers}, eval, control\n"
+              + f"  workers    init x{args.init_workers}, run x{run_workers}, eval, control\n"
               f"  redis      {redis_url}\n"
               f"  logs       {supervisor.log_dir}", flush=True)
         for b in unhealthy:
@@ -362,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start redis, gateway, workers, flower and the reference backend")
     up.add_argument("--redis-port", type=int, default=None, help="port of the embedded redis (default: free)")
     up.add_argument("--no-reference", action="store_true", help="do not start the reference backend")
-    up.add_argument("--run-workers", type=positive_int, default=1, metavar="N",
-                    help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY greenlets)")
+    up.add_argument("--run-workers", type=positive_int, default=None, metavar="N",
+                    help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY greenlets); "
+                         "default ROLLOUT_RUN_WORKERS, the number of cores")
     up.add_argument("--init-workers", type=positive_int, default=1, metavar="N",
                     help="init worker processes to start (each ROLLOUT_INIT_CONCURRENCY greenlets)")
     sub.add_parser("gateway", help="serve the HTTP gateway under gunicorn")
