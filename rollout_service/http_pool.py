@@ -1,9 +1,11 @@
 """Keep-alive HTTP/1.1 connections to inference servers, shared by every episode of a process.
 
 A run worker makes one POST per LLM call to a handful of servers, from hundreds of threads or
-greenlets at once. ``http.client`` on pooled keep-alive connections costs a fraction of a
-general-purpose client's CPU per call (measured: ~0.2 ms vs ~0.7 ms with httpx), which is
-most of the service's own time per turn at high concurrency.
+greenlets at once. Plain ``http://`` servers (vLLM, SGLang) get a minimal HTTP/1.1 exchange: the
+request in one ``send``, the answer read into one buffer, its headers split by hand. That is a
+third of ``http.client``'s CPU per call, whose status and header parsing (the ``email`` package)
+was a tenth of a run worker's time at 1,000 concurrent episodes. ``https://`` goes through
+``http.client``.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from typing import Protocol
+from typing import Protocol, Union
 from urllib.parse import urlsplit
 
 MAX_IDLE_PER_HOST = 4096  # above any sane run concurrency: a closed idle connection is a new connect later
@@ -46,8 +48,18 @@ def resolved(host: str, port: int) -> tuple:
     return cached[1]
 
 
-class _Connection(http.client.HTTPConnection):
-    """An HTTP connection that connects to a cached address, with Nagle off (small JSON bodies)."""
+class ProtocolError(Exception):
+    """The server's answer is not HTTP/1.x as this client reads it."""
+
+
+class _PlainConnection:
+    """One keep-alive HTTP/1.1 connection for requests with a JSON body and a buffered answer
+    (Content-Length, chunked, or read to the close)."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self.sock: socket.socket | None = None
+        self._host_header = f"{host}:{port}".encode()
 
     def connect(self) -> None:
         family, kind, proto, sockaddr = resolved(self.host, self.port)
@@ -61,28 +73,113 @@ class _Connection(http.client.HTTPConnection):
             raise
         self.sock = sock
 
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
+        """(status, body, whether the server keeps the connection open)."""
+        assert self.sock is not None
+        self.sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self._host_header, len(body), body))
+        buffer = b""
+        while True:
+            head_end = buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                buffer = self._more(buffer, answered=bool(buffer))
+                continue
+            status_line, *header_lines = buffer[:head_end].decode("latin-1").split("\r\n")
+            buffer = buffer[head_end + 4:]
+            version, status = self._status(status_line)
+            if 100 <= status < 200:  # an interim answer: the real one follows
+                continue
+            headers = {}
+            for line in header_lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            keep_alive = headers.get("connection", "").lower() != "close" and (
+                version == "HTTP/1.1" or headers.get("connection", "").lower() == "keep-alive")
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                data, buffer = self._chunked(buffer)
+            elif "content-length" in headers:
+                length = int(headers["content-length"])
+                while len(buffer) < length:
+                    buffer = self._more(buffer)
+                data, buffer = buffer[:length], buffer[length:]
+            elif status in (204, 304):
+                data = b""
+            else:  # the body ends when the server closes
+                data, keep_alive = self._until_closed(buffer), False
+                buffer = b""
+            return status, data, keep_alive and not buffer
+
+    @staticmethod
+    def _status(line: str) -> tuple[str, int]:
+        version, _, rest = line.partition(" ")
+        if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
+            raise ProtocolError(f"not an HTTP/1.x status line: {line[:100]!r}")
+        return version, int(rest[:3])
+
+    def _more(self, buffer: bytes, answered: bool = True) -> bytes:
+        """``buffer`` and what arrives next. A close before any answer is a reset (a reused idle
+        connection the server dropped is sent again); a close mid-answer is not."""
+        assert self.sock is not None
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            if not answered:
+                raise ConnectionResetError("the server closed the connection without answering")
+            raise ProtocolError("the server closed the connection mid-answer")
+        return buffer + chunk
+
+    def _chunked(self, buffer: bytes) -> tuple[bytes, bytes]:
+        parts = []
+        while True:
+            while (line_end := buffer.find(b"\r\n")) < 0:
+                buffer = self._more(buffer)
+            size = int(buffer[:line_end].split(b";", 1)[0], 16)
+            buffer = buffer[line_end + 2:]
+            if size == 0:  # the last chunk, then trailers up to an empty line
+                while (trailers_end := buffer.find(b"\r\n")) != 0:
+                    if trailers_end > 0:
+                        buffer = buffer[trailers_end + 2:]
+                    else:
+                        buffer = self._more(buffer)
+                return b"".join(parts), buffer[2:]
+            while len(buffer) < size + 2:
+                buffer = self._more(buffer)
+            parts.append(buffer[:size])
+            buffer = buffer[size + 2:]
+
+    def _until_closed(self, buffer: bytes) -> bytes:
+        assert self.sock is not None
+        parts = [buffer]
+        while chunk := self.sock.recv(65536):
+            parts.append(chunk)
+        return b"".join(parts)
+
+
+Connection = Union[_PlainConnection, http.client.HTTPConnection]
+
 
 class KeepAlivePool:
     """Idle connections per (scheme, host, port); a connection serves one request at a time."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
         self._lock = threading.Lock()
 
     def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
         parts = urlsplit(url)
         key = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
-        path = parts.path + (f"?{parts.query}" if parts.query else "")
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         for attempt in range(2):
             connection, reused = self._take(key, connect_timeout_s)
             try:
                 if connection.sock is None:
                     connection.connect()
                 connection.sock.settimeout(timeout_s)
-                connection.request("POST", path or "/", body=body, headers=headers)
-                response = connection.getresponse()
-                data = response.read()
+                status, data, keep_alive = self._exchange(connection, path, body)
             except (socket.timeout, TimeoutError) as exc:
                 connection.close()
                 raise ReadTimedOut(str(exc) or "timed out") from exc
@@ -91,26 +188,37 @@ class KeepAlivePool:
                 if reused and attempt == 0:  # the server closed an idle keep-alive connection
                     continue
                 raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
-            except (OSError, http.client.HTTPException) as exc:
+            except (OSError, ValueError, ProtocolError, http.client.HTTPException) as exc:
                 connection.close()
                 raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
-            if response.will_close:
-                connection.close()
-            else:
+            if keep_alive:
                 self._give_back(key, connection)
-            return response.status, data
+            else:
+                connection.close()
+            return status, data
         raise AssertionError("unreachable")
 
-    def _take(self, key: tuple[str, str, int], connect_timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+    @staticmethod
+    def _exchange(connection: "_PlainConnection | http.client.HTTPConnection", path: str,
+                  body: bytes) -> tuple[int, bytes, bool]:
+        if isinstance(connection, _PlainConnection):
+            return connection.post(path, body)
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json",
+                                                             "Content-Length": str(len(body))})
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, data, not response.will_close
+
+    def _take(self, key: tuple[str, str, int], connect_timeout_s: float) -> tuple[Connection, bool]:
         with self._lock:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop(), True
         scheme, host, port = key
-        factory = http.client.HTTPSConnection if scheme == "https" else _Connection
+        factory = http.client.HTTPSConnection if scheme == "https" else _PlainConnection
         return factory(host, port, timeout=connect_timeout_s), False
 
-    def _give_back(self, key: tuple[str, str, int], connection: http.client.HTTPConnection) -> None:
+    def _give_back(self, key: tuple[str, str, int], connection: Connection) -> None:
         with self._lock:
             idle = self._idle.setdefault(key, [])
             if len(idle) < MAX_IDLE_PER_HOST:
