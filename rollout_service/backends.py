@@ -29,6 +29,7 @@ import redis
 from rollout_service.autopipeline import fire
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView
+from rollout_service.store import scripts_of
 from rollout_service.store import as_text
 
 FAILURES_TO_UNHEALTHY = 2
@@ -258,18 +259,10 @@ class BackendPool:
     def __init__(self, redis_client: redis.Redis, prefix: str = "rollout") -> None:
         self.redis = redis_client
         self.prefix = prefix
-        self._register = redis_client.register_script(_REGISTER)
-        self._remove = redis_client.register_script(_REMOVE)
-        self._acquire = redis_client.register_script(_ACQUIRE)
-        self._start_call = redis_client.register_script(_START_CALL)
-        self._release = redis_client.register_script(_RELEASE)
-        self._set_health = redis_client.register_script(_SET_HEALTH)
-        self._record_probe = redis_client.register_script(_RECORD_PROBE)
-        self._reconcile = redis_client.register_script(_RECONCILE)
-        self._views = redis_client.register_script(_VIEWS)
-        self._resume = redis_client.register_script(_RESUME)
-        self._begin_call = redis_client.register_script(_BEGIN_CALL)
-        self._end_call = redis_client.register_script(_END_CALL)
+        (self._register, self._remove, self._acquire, self._start_call, self._release, self._set_health,
+         self._record_probe, self._reconcile, self._views, self._resume, self._begin_call, self._end_call) = scripts_of(
+            redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
+            _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, "backend", *parts))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import msgpack
 import redis
+from redis.commands.core import Script
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -147,6 +148,21 @@ def client_class() -> type[redis.Redis]:
     return AutoPipelineRedis if monkey.is_module_patched("socket") else ScriptLoadingRedis
 
 
+_scripts: dict[tuple[int, str], Script] = {}
+
+
+def scripts_of(client: redis.Redis, *sources: str) -> list[Script]:
+    """``client.register_script`` of each source, made once per client (a store or a backend pool
+    is built per episode; registering hashes and encodes every script again)."""
+    found = []
+    for source in sources:
+        script = _scripts.get((id(client), source))
+        if script is None or script.registered_client is not client:
+            script = _scripts[id(client), source] = client.register_script(source)
+        found.append(script)
+    return found
+
+
 def redis_client(settings: Settings | None = None) -> redis.Redis:
     settings = settings or get_settings()
     return _client_for(resolve_redis_url(settings), settings.redis_socket_timeout_s,
@@ -191,11 +207,9 @@ class JobStore:
         self.redis = client
         self.settings = settings or get_settings()
         self.on_finished = _ON_FINISHED if on_finished is None else on_finished
-        self._transition = client.register_script(_TRANSITION)
-        self._renew_lease = client.register_script(_RENEW_LEASE)
-        self._begin_stage = client.register_script(_BEGIN_STAGE)
-        self._end_stage = client.register_script(_END_STAGE)
-        self._missing_and_ended = client.register_script(_MISSING_AND_ENDED)
+        (self._transition, self._renew_lease, self._begin_stage, self._end_stage,
+         self._missing_and_ended) = scripts_of(client, _TRANSITION, _RENEW_LEASE, _BEGIN_STAGE, _END_STAGE,
+                                               _MISSING_AND_ENDED)
 
     @staticmethod
     def key(job_id: str, part: str = "") -> str:

@@ -62,9 +62,16 @@ class StageContext:
         return unpack(data)
 
 
+_stores: dict[int, JobStore] = {}
+
+
 def job_store() -> JobStore:
+    """This process's store for the current settings (a forked child makes its own)."""
     settings = get_settings()
-    return JobStore(redis_client(settings), settings)
+    store = _stores.get(os.getpid())
+    if store is None or store.settings is not settings:
+        store = _stores[os.getpid()] = JobStore(redis_client(settings), settings)
+    return store
 
 
 class LeaseKeeper:
