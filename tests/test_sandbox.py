@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import uuid
@@ -388,3 +389,39 @@ def test_descendants_walks_only_the_subtree_and_finds_what_a_full_proc_scan_find
         kill_tree(tree.pid)
         tree.wait()
     assert descendants(tree.pid) == []
+
+
+def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_whole(tmp_path: Path) -> None:
+    """A gevent worker starts bwrap with posix_spawn (vfork) instead of gevent's fork of the whole
+    worker; the sandbox still answers, a dead one is noticed, and stop leaves no process behind."""
+    program = textwrap.dedent(f"""
+        from gevent import monkey; monkey.patch_all()
+        import json, os, time
+        import gevent
+        from rollout_service.sandbox import SandboxSpec, create_sandbox
+        from rollout_service.sandbox.base import descendants
+
+        def boot(n):
+            workspace = os.path.join({str(tmp_path)!r}, f"w{{n}}")
+            os.makedirs(workspace)
+            sandbox = create_sandbox("bwrap", SandboxSpec(job_id=f"green-{{n}}", workspace=workspace,
+                                                          tools=("bash",)))
+            sandbox.start()
+            return sandbox
+
+        sandboxes = [g.value for g in gevent.joinall([gevent.spawn(boot, n) for n in range(4)], raise_error=True)]
+        outputs = [s.execute("bash", {{"command": "echo $((6 * 7))"}}, 10)["output"].strip() for s in sandboxes]
+        pids = [p for s in sandboxes for p in [s.process.pid, *descendants(s.process.pid)]]
+        kinds = sorted({{type(s.process).__name__ for s in sandboxes}})
+        for s in sandboxes:
+            s.stop()
+        time.sleep(0.2)
+        print(json.dumps({{"outputs": outputs, "kinds": kinds, "pids": pids,
+                          "returncodes": [s.process.poll() is not None for s in sandboxes]}}))
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["outputs"] == ["42"] * 4 and result["kinds"] == ["Spawned"]
+    assert len(result["pids"]) > 4 and not alive(result["pids"]) and all(result["returncodes"])
