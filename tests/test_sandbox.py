@@ -425,3 +425,34 @@ def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_w
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["outputs"] == ["42"] * 4 and result["kinds"] == ["Spawned"]
     assert len(result["pids"]) > 4 and not alive(result["pids"]) and all(result["returncodes"])
+
+
+def test_a_one_shot_sandbox_runs_its_script_confined_and_returns_its_output(workspace: Path) -> None:
+    (workspace / "probe.py").write_text(
+        "import os, resource, sys\n"
+        "print('args', sys.argv[1:], 'cwd', os.getcwd())\n"
+        "print('nproc', resource.getrlimit(resource.RLIMIT_NPROC)[0], 'uid0', os.getuid() == 0)\n"
+        "print('network', open('/proc/net/dev').read().count(':'))\n"
+        "sys.stderr.write('to stderr\\n'); sys.exit(3)\n")
+    spec = SandboxSpec("one-shot", str(workspace), max_procs=77, script=("/workspace/probe.py", "a b", "c"))
+    exit_code, output = create_sandbox("bwrap", spec).run(timeout_s=30)
+    assert exit_code == 3
+    assert "args ['a b', 'c'] cwd /workspace" in output and "nproc 77 uid0 False" in output
+    assert "network 1" in output and "to stderr" in output  # only loopback; stderr is kept too
+    with pytest.raises(SandboxError, match="needs a SandboxSpec with a script"):
+        create_sandbox("bwrap", SandboxSpec("no-script", str(workspace))).run(timeout_s=5)
+
+
+def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(workspace: Path) -> None:
+    (workspace / "hang.py").write_text(
+        "import os, subprocess, time\n"
+        "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(300)\n")
+    box = create_sandbox("bwrap", SandboxSpec("hang", str(workspace), script=("/workspace/hang.py",)))
+    began = time.monotonic()
+    exit_code, output = box.run(timeout_s=1.0)
+    assert exit_code is None and time.monotonic() - began < 10
+    time.sleep(0.2)
+    assert not [pid for pid in alive([box.process.pid]) if "sleep" in command_of(pid) or "bwrap" in command_of(pid)]
+    assert not any("sleep 300" in command_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())

@@ -2,7 +2,8 @@
 commands in a live sandbox, and reading files that untrusted code may have touched.
 
 Grading never reuses the agent's sandbox: ``grading_sandbox`` boots a new one on a fresh
-workspace, with the eval time limit and the sandbox memory limit, and always stops it.
+workspace, with the eval time limit and the sandbox memory limit, and always stops it;
+``grading_run`` runs one Python script in such a sandbox without its tool server.
 """
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ def grading_workspace(prefix: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def grading_sandbox(workspace: Path, image: Optional[str], budget_s: float) -> Iterator[Any]:
-    """A fresh sandbox on ``workspace`` with the eval limits; stopped however the block ends."""
+def _grading_sandbox(workspace: Path, image: Optional[str], budget_s: float, script: tuple[str, ...] = ()) -> Any:
     from rollout_service.sandbox import SandboxSpec, create_sandbox
 
     settings = get_settings()
@@ -54,14 +53,27 @@ def grading_sandbox(workspace: Path, image: Optional[str], budget_s: float) -> I
         job_id=f"grade-{uuid.uuid4().hex[:12]}", workspace=str(workspace), image=image,
         tools=GRADING_TOOLS, memory_mb=settings.sandbox_memory_mb,
         cpu_time_s=math.ceil(budget_s + SANDBOX_GRACE_S), max_procs=settings.sandbox_max_procs,
-        ttl_s=budget_s + 4 * SANDBOX_GRACE_S,
+        ttl_s=budget_s + 4 * SANDBOX_GRACE_S, script=script,
     )
-    sandbox = create_sandbox(settings.sandbox, spec, None)
+    return create_sandbox(settings.sandbox, spec, None)
+
+
+@contextlib.contextmanager
+def grading_sandbox(workspace: Path, image: Optional[str], budget_s: float) -> Iterator[Any]:
+    """A fresh sandbox on ``workspace`` with the eval limits; stopped however the block ends."""
+    sandbox = _grading_sandbox(workspace, image, budget_s)
     try:
         sandbox.start()
         yield sandbox
     finally:
         sandbox.stop()
+
+
+def grading_run(workspace: Path, image: Optional[str], budget_s: float, script: tuple[str, ...]) -> tuple[Optional[int], str]:
+    """Run a Python ``script`` (path and arguments inside the sandbox) in a fresh one-shot sandbox
+    on ``workspace`` with the eval limits: no tool server and no shell are started for it.
+    Returns (exit code, None if it ran out of time; its output)."""
+    return _grading_sandbox(workspace, image, budget_s, script).run(budget_s + SANDBOX_GRACE_S)
 
 
 def run_script(sandbox: Any, script_path: str, budget_s: float) -> dict[str, Any]:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import sys
 import threading
 from typing import Any
 
+from rollout_service.tools.confine import apply_limits, drop_privileges
 from rollout_service.tools.output import error_observation, observation
 
 READY_LINE = b"ready\n"
@@ -119,29 +119,6 @@ def serve_connection(conn: socket.socket, toolbox: Toolbox) -> None:
             except OSError:  # the worker went away; the next connection gets the next answer
                 return
             toolbox.first_answer.set()
-
-
-def apply_limits(memory_mb: int, cpu_time_s: int, max_procs: int) -> None:
-    limits = [(resource.RLIMIT_CORE, 0)]
-    if memory_mb > 0:
-        limits.append((resource.RLIMIT_AS, memory_mb * 1024 * 1024))
-    if cpu_time_s > 0:
-        limits.append((resource.RLIMIT_CPU, cpu_time_s))
-    if max_procs > 0:
-        limits.append((resource.RLIMIT_NPROC, max_procs))
-    for kind, value in limits:
-        _, hard = resource.getrlimit(kind)
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(kind, (value, value))
-
-
-def drop_privileges(user: str) -> None:
-    uid, gid = (int(part) for part in user.split(":"))
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    if os.getuid() != uid or os.geteuid() != uid:
-        raise SystemExit(f"could not drop privileges to {user}")
 
 
 SERVER_OPTIONS = {  # --option: (default, meaning); argparse alone would add ~8 ms to every sandbox boot
