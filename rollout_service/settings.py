@@ -33,8 +33,8 @@ class Settings:
     gateway_workers: int = 2
     init_concurrency: int = 128  # greenlets: init mostly waits on Redis and the file system
     run_concurrency: int = 256  # episodes per run worker process (gevent greenlets)
-    run_workers: int = CORES  # run worker processes `up` starts: the run stage is most of the CPU
-    eval_concurrency: int = 2 * CORES  # prefork children: sandboxed graders mostly wait on the sandbox
+    run_workers: int = min(CORES, 4)  # run worker processes `up` starts: the run stage is most of the CPU
+    eval_concurrency: int = min(2 * CORES, 8)  # prefork children: sandboxed graders mostly wait on the sandbox
     control_concurrency: int = 4
     stage_batch_max_jobs: int = 32  # jobs per stage message: one Celery task carries many jobs under load
     handoff_window_ms: float = 5.0  # a stage gathers the jobs it hands to the next one for this long

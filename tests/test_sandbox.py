@@ -161,7 +161,8 @@ def test_fork_bomb_is_contained_and_the_host_stays_responsive(workspace: Path) -
         assert time.monotonic() - started < 1.0
         assert max(counts) <= spec.max_procs + 3, counts
         assert max(counts) >= spec.max_procs // 2, "the bomb did not run, so nothing was proven"
-        assert bash(box, "echo still answering", timeout_s=10)["output"].endswith("still answering")
+        # the bomb's own "fork: retry" complaints may land on either side of the answer
+        assert "still answering" in bash(box, "echo still answering", timeout_s=10)["output"].splitlines()
         pids = descendants(box.process.pid)
     finally:
         box.stop()
