@@ -6,6 +6,7 @@ visibility timeout above the longest job deadline, set identically everywhere.
 from __future__ import annotations
 
 import gc
+import logging
 import importlib
 import socket
 import threading
@@ -21,8 +22,11 @@ from kombu.transport import redis as kombu_redis
 from rollout_service.settings import Settings, get_settings
 from rollout_service.store import resolve_redis_url
 
+log = logging.getLogger(__name__)
+
 HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated queues it consumes
 HEARTBEAT_INTERVAL_S = 5
+WARM_INTERVAL_S = 2
 BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
 worker_slots = 0  # this worker's --concurrency (the largest of --autoscale); 0 outside a worker
 consumer_qos: Any = None  # this worker's prefetch window (kombu.common.QoS), once it consumes
@@ -130,10 +134,24 @@ def _wake_soon_when_paused() -> None:
 _wake_soon_when_paused()
 
 
+def warm_renderers(client: redis.Redis) -> None:
+    """Load the tokenizer of every registered backend before a job needs it: the first job of a
+    worker otherwise waits ~20 ms per tokenizer, once per worker process."""
+    from rollout_service.backends import BackendPool
+    from rollout_service.tokens import renderer_for
+
+    for tokenizer in {b.tokenizer for b in BackendPool(client).list() if b.tokenizer}:
+        try:
+            renderer_for(tokenizer)
+        except Exception as exc:  # the job that needs it reports the problem
+            log.debug("tokenizer %s not loaded ahead: %s", tokenizer, exc)
+
+
 @worker_ready.connect
 def _announce_queues(sender: object, **_: object) -> None:
     """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell
-    (workers/dispatch.py reads it); keep the consumer's prefetch window for the run slots."""
+    (workers/dispatch.py reads it); keep the consumer's prefetch window for the run slots; an init
+    or run worker loads the tokenizers of registered backends before its first job needs them."""
     global consumer_qos
     consumer_qos = getattr(sender, "qos", None)
     queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]
@@ -147,5 +165,16 @@ def _announce_queues(sender: object, **_: object) -> None:
             except redis.RedisError:
                 pass
             time.sleep(HEARTBEAT_INTERVAL_S)
+
+    def warm() -> None:
+        while True:
+            try:
+                warm_renderers(client)
+            except redis.RedisError:
+                pass
+            time.sleep(WARM_INTERVAL_S)
+
+    if {"init", "run"} & set(queues.split(",")):
+        threading.Thread(target=warm, name="renderer-warmer", daemon=True).start()
 
     threading.Thread(target=beat, name="queue-heartbeat", daemon=True).start()
