@@ -177,6 +177,25 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+class Packed(bytes):
+    """A blob already in msgpack: a stage's result stored as it is."""
+
+
+def with_field(blob: bytes, name: str, value: Any) -> Packed:
+    """``blob``, a msgpack map, with entry ``name`` set to ``value`` and every other byte as it was:
+    the map is walked (values skipped in C), not decoded and packed again. A trajectory of 8k
+    tokens costs a millisecond or two to decode and pack; this is a copy."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(blob)
+    for _ in range(unpacker.read_map_header()):
+        key = unpacker.unpack()
+        start = unpacker.tell()
+        unpacker.skip()
+        if key == name:
+            return Packed(blob[:start] + pack(value) + blob[unpacker.tell():])
+    return Packed(pack({**unpack(blob), name: value}))
+
+
 def unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
@@ -527,7 +546,8 @@ class JobStore:
         positions, at = [], 0
         for end in ends:
             for name, obj in end.blobs.items():
-                pipe.set(self.key(end.job_id, name), pack(obj), ex=self.settings.job_ttl_s)
+                pipe.set(self.key(end.job_id, name), obj if isinstance(obj, Packed) else pack(obj),
+                         ex=self.settings.job_ttl_s)
             if end.finish is not None:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
                 self._transition(keys=keys, args=args, client=pipe)

@@ -8,6 +8,7 @@ import redis
 
 from rollout_service.errors import RolloutError, StoreUnavailable
 from rollout_service.schemas import JobRequest, JobStatus, ScoreRequest
+from rollout_service.store import with_field
 from rollout_service.tasks import get_handler
 from workers import dispatch
 from workers.celery_app import app
@@ -22,10 +23,10 @@ def eval_jobs(job_ids: list[str]) -> None:
 
 
 def score_job(ctx: StageContext) -> None:
-    request, artifact, trajectory = JobRequest.model_validate(ctx.blob("request")), ctx.blob("artifact"), \
-        ctx.blob("trajectory")
+    request, artifact, stored = JobRequest.model_validate(ctx.blob("request")), ctx.blob("artifact"), \
+        ctx.raw_blob("trajectory")
     scored = get_handler(request.task["domain"]).score(request.task, artifact)
-    trajectory["reward"] = scored.reward  # the stored document as run wrote it, ids untouched
+    trajectory = with_field(stored, "reward", scored.reward)  # as run stored it, byte for byte, but the reward
     ctx.results.update(trajectory=trajectory, result={"artifact": artifact, "details": scored.details})
     ctx.finish_as = (JobStatus.completed, {"reward": scored.reward, "eval_end": time.time()})
 

@@ -56,10 +56,14 @@ class StageContext:
 
     def blob(self, name: str) -> Any:
         """A blob the stage read when it began (STAGE_READS)."""
+        return unpack(self.raw_blob(name))
+
+    def raw_blob(self, name: str) -> bytes:
+        """The same, still in msgpack."""
         data = self.blobs.get(name)
         if data is None:
             raise NotFound(f"job {self.job_id!r} has no {name} (yet): check its status first")
-        return unpack(data)
+        return data
 
 
 _stores: dict[int, JobStore] = {}
