@@ -98,15 +98,18 @@ def _server_message(content: bytes) -> str:
 
 
 def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and set(map(type, value)) <= {int}:  # type() in C: no bools, no subclasses
         return value
     return None
 
 
 def _float_list(value: Any) -> list[float] | None:
-    if isinstance(value, list) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, list):
+        return None
+    kinds = set(map(type, value))
+    if kinds <= {float}:  # what json.loads gives for logprobs: the list as it is
+        return value
+    if kinds <= {int, float}:
         return [float(v) for v in value]
     return None
 
@@ -252,8 +255,11 @@ class VLLMClient(_HTTPInferenceClient):
         logprobs = _float_list(logprobs_block.get("token_logprobs"))
         if logprobs is None:
             raise self._malformed("choices[0].logprobs.token_logprobs is not a list of numbers")
-        ids_from_tokens = self._ids_from_token_strings(logprobs_block.get("tokens"))
-        token_ids = choice.get("token_ids")
+        tokens, token_ids = logprobs_block.get("tokens"), choice.get("token_ids")
+        if _int_list(token_ids) is not None and isinstance(tokens, list) and \
+                tokens == [f"{TOKEN_ID_PREFIX}{i}" for i in token_ids]:  # both given and agreeing: the common case
+            return self._checked(list(token_ids), logprobs, choice.get("finish_reason"))
+        ids_from_tokens = self._ids_from_token_strings(tokens)
         if token_ids is None:
             if ids_from_tokens is None:
                 raise self._malformed(

@@ -200,6 +200,14 @@ def test_the_vllm_client_asks_for_token_ids_and_sampled_logprobs_and_keeps_speci
         "return_tokens_as_token_ids": True, "skip_special_tokens": False})
 
 
+def test_ids_and_logprobs_that_agree_come_back_as_sent_with_integer_logprobs_as_floats():
+    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
+        {"token_ids": [11, 2], "logprobs": {"token_logprobs": [-1.5, 0], "tokens": ["token_id:11", "token_id:2"]}})))
+    generation = client.generate([1], Sampling(), 8, 5)
+    assert generation.token_ids == [11, 2] and generation.logprobs == [-1.5, 0.0]
+    assert [type(v) for v in generation.logprobs] == [float, float]
+
+
 def test_the_vllm_client_reads_ids_from_token_ids_when_present():
     client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
         {"token_ids": [11, 2], "logprobs": {"token_logprobs": [-1.5, -0.125], "tokens": ["a", "b"]}})))
@@ -219,6 +227,8 @@ def test_the_vllm_client_reads_ids_from_token_id_strings_of_older_servers():
 @pytest.mark.parametrize("choice, problem", [
     ({"logprobs": {"token_logprobs": [-1.0], "tokens": ["a"]}}, "neither choices\\[0\\].token_ids"),
     ({"token_ids": [1], "logprobs": {"token_logprobs": [-1.0], "tokens": ["token_id:2"]}}, "disagree"),
+    ({"token_ids": ["1"], "logprobs": {"token_logprobs": [-1.0], "tokens": ["token_id:1"]}}, "not a list of integers"),
+    ({"token_ids": [1], "logprobs": {"token_logprobs": [True], "tokens": ["token_id:1"]}}, "not a list of numbers"),
     ({"token_ids": [1, 2], "logprobs": {"token_logprobs": [-1.0], "tokens": ["x", "y"]}}, "2 token ids but 1 logprobs"),
     ({"token_ids": [1]}, "logprobs is missing"),
     ({"token_ids": [1], "finish_reason": "abort", "logprobs": {"token_logprobs": [-1.0]}}, "finish reason 'abort'"),
