@@ -307,21 +307,7 @@ class ServerSandbox:
                 f"workspace {self.spec.workspace!r} does not exist; the init stage must create it before start()"
             )
         try:
-            self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
-            if len(self.socket_path) > MAX_SOCKET_PATH:
-                raise SandboxError(
-                    f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
-                    "point TMPDIR at a shorter directory"
-                )
-            self._log_path = os.path.join(self.socket_dir, "server.log")
-            self._prepare()
-            argv, popen_options = self._launch()
-            with open(self._log_path, "ab") as log_file:
-                if green_process() and not popen_options:
-                    self.process = Spawned(argv, log_file)  # type: ignore[assignment]
-                else:
-                    self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                   stderr=log_file, start_new_session=True, **popen_options)
+            self._spawn()
             self._wait_ready(began + START_TIMEOUT_S)
             self._client = ActionClient(self.socket_path)
             self._client.call({"tool": "_ping", "args": {}}, START_TIMEOUT_S)
@@ -352,16 +338,7 @@ class ServerSandbox:
         if self.process is not None:
             raise SandboxError(f"sandbox {self.sandbox_id} was already started; create a new one")
         try:
-            self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
-            self._log_path = os.path.join(self.socket_dir, "server.log")
-            self._prepare()
-            argv, popen_options = self._launch()
-            with open(self._log_path, "ab") as log_file:
-                if green_process() and not popen_options:
-                    self.process = Spawned(argv, log_file)  # type: ignore[assignment]
-                else:
-                    self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                   stderr=log_file, start_new_session=True, **popen_options)
+            self._spawn()
             output = self._read_to_end(time.monotonic() + timeout_s)
             try:
                 exit_code = None if output is None else self.process.wait(timeout=10)
@@ -375,6 +352,24 @@ class ServerSandbox:
         finally:
             self.stop()
         return exit_code, (output or b"").decode("utf-8", "replace") + errors.decode("utf-8", "replace")
+
+    def _spawn(self) -> None:
+        """Make the socket directory, take what this kind needs, start the sandbox's process."""
+        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
+        if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
+            raise SandboxError(
+                f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
+                "point TMPDIR at a shorter directory"
+            )
+        self._log_path = os.path.join(self.socket_dir, "server.log")
+        self._prepare()
+        argv, popen_options = self._launch()
+        with open(self._log_path, "ab") as log_file:
+            if green_process() and not popen_options:
+                self.process = Spawned(argv, log_file)  # type: ignore[assignment]
+            else:
+                self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                               stderr=log_file, start_new_session=True, **popen_options)
 
     def _read_to_end(self, deadline: float) -> Optional[bytes]:
         """The process's stdout until it closes (None: still open at ``deadline``)."""

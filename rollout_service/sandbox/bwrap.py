@@ -25,7 +25,6 @@ from rollout_service.sandbox.base import (
     ServerSandbox,
     SandboxSpec,
     host_import_paths,
-    package_root,
     server_arguments,
 )
 from rollout_service.settings import get_settings
