@@ -442,6 +442,8 @@ def test_a_one_shot_sandbox_runs_its_script_confined_and_returns_its_output(work
     assert "network 1" in output and "to stderr" in output  # only loopback; stderr is kept too
     with pytest.raises(SandboxError, match="needs a SandboxSpec with a script"):
         create_sandbox("bwrap", SandboxSpec("no-script", str(workspace))).run(timeout_s=5)
+    program = SandboxSpec("program", str(workspace), script=("bash", "-c", "echo $((6 * 7)) from $PWD; exit 4"))
+    assert create_sandbox("bwrap", program).run(timeout_s=30) == (4, "42 from /workspace\n")  # not Python: exec'd
 
 
 def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(workspace: Path) -> None:
@@ -453,7 +455,7 @@ def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(wo
     box = create_sandbox("bwrap", SandboxSpec("hang", str(workspace), script=("/workspace/hang.py",)))
     began = time.monotonic()
     exit_code, output = box.run(timeout_s=1.0)
-    assert exit_code is None and time.monotonic() - began < 10
+    assert exit_code is None and time.monotonic() - began < 10 and output.startswith("started")  # what it printed is kept
     time.sleep(0.2)
     assert not [pid for pid in alive([box.process.pid]) if "sleep" in command_of(pid) or "bwrap" in command_of(pid)]
     assert not any("sleep 300" in command_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())

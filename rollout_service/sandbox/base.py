@@ -332,26 +332,26 @@ class ServerSandbox:
 
     def run(self, timeout_s: float) -> tuple[Optional[int], str]:
         """A one-shot sandbox: run ``spec.script`` to its end (killed after ``timeout_s``) and stop.
-        Returns (exit code, None when killed; its stdout and stderr, capped)."""
+        Returns (exit code, None when it was killed; its stdout then stderr, each capped)."""
         if not self.spec.script:
             raise SandboxError("run() needs a SandboxSpec with a script; start() serves tools instead")
         if self.process is not None:
             raise SandboxError(f"sandbox {self.sandbox_id} was already started; create a new one")
         try:
             self._spawn()
-            output = self._read_to_end(time.monotonic() + timeout_s)
+            output, finished = self._read_to_end(time.monotonic() + timeout_s)
             try:
-                exit_code = None if output is None else self.process.wait(timeout=10)
+                exit_code = self.process.wait(timeout=10) if finished else None  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:  # its output closed, yet it runs on: stop() kills it
                 exit_code = None
-            with open(self._log_path, "rb") as log_file:
+            with open(self._log_path or "", "rb") as log_file:
                 errors = log_file.read(MAX_SCRIPT_OUTPUT_BYTES)
         except OSError as exc:
             raise SandboxError(f"{self.kind} sandbox failed to run {self.spec.script[0]}: {exc}; "
                                f"{self._log_tail()}") from exc
         finally:
             self.stop()
-        return exit_code, (output or b"").decode("utf-8", "replace") + errors.decode("utf-8", "replace")
+        return exit_code, output.decode("utf-8", "replace") + errors.decode("utf-8", "replace")
 
     def _spawn(self) -> None:
         """Make the socket directory, take what this kind needs, start the sandbox's process."""
@@ -371,17 +371,17 @@ class ServerSandbox:
                 self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                stderr=log_file, start_new_session=True, **popen_options)
 
-    def _read_to_end(self, deadline: float) -> Optional[bytes]:
-        """The process's stdout until it closes (None: still open at ``deadline``)."""
+    def _read_to_end(self, deadline: float) -> tuple[bytes, bool]:
+        """The process's stdout (capped), and whether it closed before ``deadline``."""
         assert self.process is not None and self.process.stdout is not None
         fd, chunks, size = self.process.stdout.fileno(), [], 0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                return None
+                return b"".join(chunks), False
             chunk = os.read(fd, 65536)
             if not chunk:
-                return b"".join(chunks)
+                return b"".join(chunks), True
             if size < MAX_SCRIPT_OUTPUT_BYTES:
                 chunks.append(chunk[:MAX_SCRIPT_OUTPUT_BYTES - size])
                 size += len(chunks[-1])

@@ -1,9 +1,8 @@
 """What graders and artifact extractors share: a fresh, limited sandbox for grading, shell
 commands in a live sandbox, and reading files that untrusted code may have touched.
 
-Grading never reuses the agent's sandbox: ``grading_sandbox`` boots a new one on a fresh
-workspace, with the eval time limit and the sandbox memory limit, and always stops it;
-``grading_run`` runs one Python script in such a sandbox without its tool server.
+Grading never reuses the agent's sandbox: ``grading_run`` runs the grader in a new one-shot
+sandbox on a fresh workspace, with the eval time limit and the sandbox memory limit.
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from typing import Any, Iterator, Optional
 from rollout_service.errors import TaskError
 from rollout_service.settings import get_settings
 
-GRADING_TOOLS = ("bash",)
 SANDBOX_GRACE_S = 15.0
 READ_CHUNK_BYTES = 16 * 1024
 
@@ -45,41 +43,20 @@ def grading_workspace(prefix: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _grading_sandbox(workspace: Path, image: Optional[str], budget_s: float, script: tuple[str, ...] = ()) -> Any:
+def grading_run(workspace: Path, image: Optional[str], budget_s: float,
+                script: tuple[str, ...]) -> tuple[Optional[int], str]:
+    """Run ``script`` (a program or ``*.py`` and its arguments, as seen inside) in a fresh one-shot
+    sandbox on ``workspace`` with the eval limits; no tool server is started for it. Returns (exit
+    code, None if it ran out of time; its output)."""
     from rollout_service.sandbox import SandboxSpec, create_sandbox
 
     settings = get_settings()
     spec = SandboxSpec(
-        job_id=f"grade-{uuid.uuid4().hex[:12]}", workspace=str(workspace), image=image,
-        tools=GRADING_TOOLS, memory_mb=settings.sandbox_memory_mb,
-        cpu_time_s=math.ceil(budget_s + SANDBOX_GRACE_S), max_procs=settings.sandbox_max_procs,
-        ttl_s=budget_s + 4 * SANDBOX_GRACE_S, script=script,
+        job_id=f"grade-{uuid.uuid4().hex[:12]}", workspace=str(workspace), image=image, tools=(),
+        memory_mb=settings.sandbox_memory_mb, cpu_time_s=math.ceil(budget_s + SANDBOX_GRACE_S),
+        max_procs=settings.sandbox_max_procs, ttl_s=budget_s + 4 * SANDBOX_GRACE_S, script=script,
     )
-    return create_sandbox(settings.sandbox, spec, None)
-
-
-@contextlib.contextmanager
-def grading_sandbox(workspace: Path, image: Optional[str], budget_s: float) -> Iterator[Any]:
-    """A fresh sandbox on ``workspace`` with the eval limits; stopped however the block ends."""
-    sandbox = _grading_sandbox(workspace, image, budget_s)
-    try:
-        sandbox.start()
-        yield sandbox
-    finally:
-        sandbox.stop()
-
-
-def grading_run(workspace: Path, image: Optional[str], budget_s: float, script: tuple[str, ...]) -> tuple[Optional[int], str]:
-    """Run a Python ``script`` (path and arguments inside the sandbox) in a fresh one-shot sandbox
-    on ``workspace`` with the eval limits: no tool server and no shell are started for it.
-    Returns (exit code, None if it ran out of time; its output)."""
-    return _grading_sandbox(workspace, image, budget_s, script).run(budget_s + SANDBOX_GRACE_S)
-
-
-def run_script(sandbox: Any, script_path: str, budget_s: float) -> dict[str, Any]:
-    """Run a bash script file inside ``sandbox`` (as a child, so ``exit`` cannot kill the shell)."""
-    return sandbox.execute("bash", {"command": f"bash {shlex.quote(script_path)}"},
-                           timeout_s=budget_s + SANDBOX_GRACE_S)
+    return create_sandbox(settings.sandbox, spec, None).run(budget_s + SANDBOX_GRACE_S)
 
 
 def shell(execute: Any, command: str, timeout_s: Optional[float] = None) -> dict[str, Any]:

@@ -36,8 +36,8 @@ from rollout_service.errors import TaskError, ValidationError
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
 from rollout_service.tasks import Prepared, require
-from rollout_service.tasks.sandboxed import (eval_budget_s, grading_sandbox, grading_workspace,
-                                             read_sandbox_file, read_untrusted_file, run_script, shell)
+from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading_workspace, read_sandbox_file,
+                                             read_untrusted_file, shell)
 
 DEFAULT_IMAGE_REPO_DIR = "/testbed"
 PYTEST_ARGS = "-m pytest -rA -p no:cacheprovider"
@@ -237,11 +237,10 @@ class SweHandler:
             (workspace / "test.patch").write_text(task["test_patch"])
             (workspace / "grade.sh").write_text(grading_script(task, self.repo_dir(task, "/workspace/repo"),
                                                                fail_to_pass + pass_to_pass, budget_s))
-            with grading_sandbox(workspace, task.get("image"), budget_s) as sandbox:
-                observation = run_script(sandbox, "/workspace/grade.sh", budget_s)
+            _, output = grading_run(workspace, task.get("image"), budget_s, ("bash", "/workspace/grade.sh"))
             log = read_untrusted_file(workspace / "test.log", MAX_LOG_BYTES)
             apply_log = read_untrusted_file(workspace / "apply.log", LOG_TAIL_CHARS)
-        stages = _STAGE.findall(observation.get("output", ""))
+        stages = _STAGE.findall(output)
         stage = "-".join(filter(None, stages[-1])) if stages else "grader-timeout"
         statuses = parse_pytest_log(log, fail_to_pass + pass_to_pass)
         return self._report(fail_to_pass, pass_to_pass, statuses, stage, log, apply_log)

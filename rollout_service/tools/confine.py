@@ -2,8 +2,8 @@
 own uid when started as root. Stdlib only (it runs on any image with the runtime bound in).
 
 The action server calls it before serving tools. A one-shot sandbox (``SandboxSpec.script``: a
-grader) runs it as its entry point, then the script in the same interpreter: no tool server,
-no shell, no second Python start.
+grader) runs it as its entry point, then the script: a Python one in the same interpreter (no
+tool server, no shell, no second Python start), any other program in its place.
 
     python -I -S -c BOOTSTRAP --memory-mb 2048 --cpu-time-s 60 --max-procs 256 \
         --workspace /workspace --argv /workspace/grader.py --argv /workspace/grading.json [--user UID:GID]
@@ -39,7 +39,8 @@ def drop_privileges(user: str) -> None:
 
 
 def run_script(argv: list[str] | None = None) -> None:
-    """Confine this process as the options say, then run ``--argv`` (a script and its arguments)."""
+    """Confine this process as the options say, then run ``--argv``: a Python script (``*.py``) in
+    this interpreter, anything else as a program that replaces it (e.g. ``bash grade.sh``)."""
     argv = sys.argv[1:] if argv is None else argv
     options: dict[str, str] = {"memory-mb": "0", "cpu-time-s": "0", "max-procs": "0", "user": "", "workspace": ""}
     script: list[str] = []
@@ -61,6 +62,8 @@ def run_script(argv: list[str] | None = None) -> None:
     os.umask(0o022)
     if options["workspace"]:
         os.chdir(options["workspace"])
+    if not script[0].endswith(".py"):
+        os.execvp(script[0], script)
     import runpy
 
     sys.argv = script
