@@ -81,8 +81,11 @@ class _PlainConnection:
     def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
         """(status, body, whether the server keeps the connection open)."""
         assert self.sock is not None
-        self.sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self._host_header, len(body), body))
+        request = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self._host_header, len(body), body))
+        sent = self.sock.send(request)  # a request fits the socket's buffer: one system call (sendall makes two)
+        if sent < len(request):
+            self.sock.sendall(memoryview(request)[sent:])
         buffer = b""
         while True:
             head_end = buffer.find(b"\r\n\r\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -141,11 +142,8 @@ def client_class() -> type[redis.Redis]:
     their scripts once."""
     from rollout_service.autopipeline import AutoPipelineRedis, ScriptLoadingRedis
 
-    try:
-        from gevent import monkey
-    except ImportError:
-        return ScriptLoadingRedis
-    return AutoPipelineRedis if monkey.is_module_patched("socket") else ScriptLoadingRedis
+    monkey = sys.modules.get("gevent.monkey")  # a process that never imported gevent is not green
+    return AutoPipelineRedis if monkey is not None and monkey.is_module_patched("socket") else ScriptLoadingRedis
 
 
 _scripts: dict[tuple[int, str], Script] = {}

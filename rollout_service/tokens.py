@@ -88,6 +88,61 @@ def _renderer_for(name_or_path: str) -> "ChatRenderer":
     return ChatRenderer(load_tokenizer(name_or_path))
 
 
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+_DIRECT_RENDER_PROBES: tuple[tuple[list[dict[str, Any]], list[dict[str, Any]] | None], ...] = (
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], None),
+    ([{"role": "user", "content": "u"}], _PROBE_TOOLS),
+    ([*PROBE_CONVERSATION, {"role": "tool", "name": "probe", "content": "out"}, {"role": "user", "content": "u2"}],
+     None),
+    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "reasoning_content": "r",
+                                           "tool_calls": None}], _PROBE_TOOLS),
+)
+
+
+class _DirectTemplate:
+    """The tokenizer's chat template rendered as ``apply_chat_template(tokenize=False)`` renders it
+    for plain JSON messages, without the wrapper's per-call work (choosing and compiling the
+    template, converting the special-token variables and every message to plain data), a quarter
+    of a turn's rendering. The messages here are plain JSON already; None-valued keys are dropped
+    and reasoning fields aliased as the wrapper does. The renderer checks it against the wrapper
+    when it is built."""
+
+    def __init__(self, tokenizer: Any, compile_template: Any, plain_data: Any, alias_reasoning: Any) -> None:
+        self.tokenizer = tokenizer
+        self._compile = compile_template
+        self._alias_reasoning = alias_reasoning
+        self._variables = plain_data(dict(tokenizer.special_tokens_map))
+        self._templates: dict[bool, Any] = {}
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool) -> str:
+        template = self._templates.get(tools is not None)
+        if template is None:
+            template = self._templates[tools is not None] = self._compile(
+                self.tokenizer.get_chat_template(None, tools))
+        chat = self._alias_reasoning([{k: v for k, v in m.items() if v is not None} for m in messages])
+        return template.render(messages=chat, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self._variables)
+
+
+def _direct_template(tokenizer: Any) -> "_DirectTemplate | None":
+    try:
+        from transformers.utils.chat_template_utils import (
+            _alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
+    except ImportError:  # another transformers: its wrapper, as it is
+        return None
+    if type(tokenizer).apply_chat_template is not _base_apply_chat_template():
+        return None  # a tokenizer class with its own rendering
+    return _DirectTemplate(tokenizer, _compile_jinja_template, _plain_template_data, _alias_reasoning_fields)
+
+
+def _base_apply_chat_template() -> Any:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    return PreTrainedTokenizerBase.apply_chat_template
+
+
 class ChatRenderer:
     """Renders prompts and observation deltas to token ids with a tokenizer's chat template."""
 
@@ -107,6 +162,9 @@ class ChatRenderer:
         self._segments: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts_lock = threading.Lock()
+        self._direct = _direct_template(tokenizer)
+        if self._direct is not None and not self._direct_renders_alike():
+            self._direct = None
         probe = self.render_text(list(PROBE_CONVERSATION))
         after_content = probe[probe.rindex(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT):]
         self.end_of_turn, self.turn_closing = self._find_end_of_turn(after_content)
@@ -139,12 +197,29 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = False,
     ) -> str:
+        if self._direct is not None:
+            return self._direct.render(messages, tools or None, add_generation_prompt)
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+
+    def _direct_renders_alike(self) -> bool:
+        """The direct render gives apply_chat_template's text on conversations of every kind of
+        message this service renders (else it is not used)."""
+        assert self._direct is not None
+        for messages, tools in _DIRECT_RENDER_PROBES:
+            for add_generation_prompt in (False, True):
+                try:
+                    expected = self.tokenizer.apply_chat_template(
+                        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+                except Exception:  # a template that rejects a probe: the wrapper decides, as always
+                    return False
+                if self._direct.render(messages, tools, add_generation_prompt) != expected:
+                    return False
+        return True
 
     @staticmethod
     def _segmenting(rust: Any) -> tuple[Any, dict[str, int]]:

@@ -222,3 +222,57 @@ def test_the_renderer_tokenizes_and_decodes_exactly_as_the_transformers_tokenize
         assert renderer.encode(text) == ids, text
         assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False,
                                                         clean_up_tokenization_spaces=False)
+
+
+READING_TEMPLATE = (  # reads what the wrapper adds or drops: special-token variables, aliased reasoning, None keys
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.tool_calls is defined %}[calls]{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}{{ tools | length }} tools{{ eos_token }}{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["tiny", "reading"])
+def test_the_direct_template_render_is_what_apply_chat_template_renders(tiny_tokenizer_dir, template):
+    """The renderer renders the compiled template itself, without transformers' per-call wrapper;
+    on any conversation it must give the wrapper's text to the character."""
+    import random
+
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir)) if template == "tiny" else \
+        fresh_tokenizer(tiny_tokenizer_dir, READING_TEMPLATE)
+    renderer = ChatRenderer(tokenizer)
+    assert renderer._direct is not None  # the fast path is what this checks
+    rng = random.Random(11)
+    words = ["2 + 2", "<tool_call>", "{\"a\": 1}", "émoji 🎉", "\n\n", "  ", "<|im_end|>", "ok", "Error: no"]
+
+    def text() -> str:
+        return "".join(rng.choice(words) for _ in range(rng.randint(0, 6)))
+
+    def message() -> dict:
+        role = rng.choice(["user", "assistant", "tool", "system"])
+        m = {"role": role, "content": text()}
+        if role == "tool":
+            m["name"] = rng.choice(["bash", "ipython"])
+        if role == "assistant" and rng.random() < 0.3:
+            m[rng.choice(["reasoning_content", "reasoning"])] = text()
+        if rng.random() < 0.2:
+            m["tool_calls"] = None
+        return m
+
+    for _ in range(300):
+        messages = [message() for _ in range(rng.randint(1, 6))]
+        tools = rng.choice([None, TOOLS])
+        generation_prompt = rng.random() < 0.5
+        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        assert renderer.render_text(messages, tools, generation_prompt) == expected, messages
+
+
+def test_a_direct_render_that_differs_from_the_wrapper_is_not_used(tiny_tokenizer_dir, monkeypatch):
+    from rollout_service import tokens
+
+    monkeypatch.setattr(tokens._DirectTemplate, "render", lambda self, *args: "something else")
+    renderer = ChatRenderer(load_tokenizer(str(tiny_tokenizer_dir)))
+    assert renderer._direct is None
+    assert renderer.render_text(first_messages(), add_generation_prompt=True).endswith("<|im_start|>assistant\n")

@@ -81,9 +81,11 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
 # What a worker of each queue imports before it serves (prefork children inherit it; nothing is
 # imported in the middle of the first jobs), and the objects gc.freeze() then takes out of the
 # collector's sight.
-PRELOAD = {"init": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2"),
-           "run": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2"),
-           "eval": ("math_verify",)}
+PRELOAD = {"init": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2",
+                    "rollout_service.autopipeline"),
+           "run": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2",
+                   "rollout_service.autopipeline"),
+           "eval": ("math_verify", "rollout_service.autopipeline")}
 
 
 @celeryd_init.connect
