@@ -372,7 +372,8 @@ def test_the_action_server_starts_with_only_what_it_needs_imported():
 
     from rollout_service.sandbox.base import host_import_paths
 
-    heavy = ("redis", "pydantic", "rollout_service.store", "rollout_service.sandbox", "argparse", "subprocess", "site")
+    heavy = ("redis", "pydantic", "rollout_service.store", "rollout_service.sandbox", "argparse", "subprocess", "site",
+             "typing")
     probe = (f"import sys; sys.path[:0] = {host_import_paths()!r}; import rollout_service.tools.action_server, "
              f"rollout_service.tools.bash; print(sorted(m for m in {heavy!r} if m in sys.modules))")
     assert subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True,

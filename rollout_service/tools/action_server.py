@@ -14,7 +14,9 @@ import os
 import socket
 import sys
 import threading
-from typing import Any
+TYPE_CHECKING = False  # typing costs ~3 ms at every sandbox boot; annotations are not evaluated
+if TYPE_CHECKING:
+    from typing import Any
 
 from rollout_service.tools.confine import apply_limits, drop_privileges
 from rollout_service.tools.output import error_observation, observation
