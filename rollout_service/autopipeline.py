@@ -14,7 +14,7 @@ end of an LLM call's accounting) without waiting for it, in order with the calls
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import redis
 from redis.commands.core import Script
@@ -63,25 +63,40 @@ class AutoPipelineRedis(redis.Redis):
                      wait: bool = True) -> list[Any]:
         """Queue ``commands`` back to back (the same shared round trip carries them all, in order);
         their replies (exceptions in place), or nothing at once when not ``wait``."""
-        import gevent
-        from gevent.event import Event
-
         script_of = {script.sha: script for script in scripts}
-        waiters = [_Waiter(args, options, Event() if wait else None,
+        waiters = [_Waiter(args, options, _new_event() if wait else None,
                            script_of.get(args[1]) if args[0] == "EVALSHA" else None) for args, options in commands]
-        self._queued.extend(waiters)
-        if not self._flushing:
-            self._flushing = True
-            gevent.spawn(self._flush)
+        self._enqueue(waiters)
         if not wait:
             return []
         for waiter in waiters:
             waiter.event.wait()
         return [waiter.error if waiter.error is not None else waiter.reply for waiter in waiters]
 
+    def submit(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Callable[[], Any]:
+        """Queue ``script`` with the next shared round trip and return at once; calling the result
+        waits for its reply (raises its error)."""
+        waiter = _Waiter(("EVALSHA", script.sha, len(keys), *keys, *args), {}, _new_event(), script)
+        self._enqueue([waiter])
+
+        def reply() -> Any:
+            waiter.event.wait()
+            if waiter.error is not None:
+                raise waiter.error
+            return waiter.reply
+        return reply
+
     def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
         """Queue ``script`` with the next shared round trip and return at once."""
         self.run_together([(("EVALSHA", script.sha, len(keys), *keys, *args), {})], [script], wait=False)
+
+    def _enqueue(self, waiters: list[_Waiter]) -> None:
+        import gevent
+
+        self._queued.extend(waiters)
+        if not self._flushing:
+            self._flushing = True
+            gevent.spawn(self._flush)
 
     def _flush(self) -> None:
         try:
@@ -125,6 +140,26 @@ class AutoPipelineRedis(redis.Redis):
             return redis.Redis.execute_command(self, *waiter.args, **waiter.options)
         except Exception as exc:
             return exc
+
+
+def _new_event() -> Any:
+    from gevent.event import Event
+
+    return Event()
+
+
+def submit(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Callable[[], Any]:
+    """Start ``script`` now and take its reply later where the client can (AutoPipelineRedis: it
+    rides the next shared round trip); elsewhere it runs at once."""
+    if isinstance(client, AutoPipelineRedis):
+        return client.submit(script, keys, args)
+    try:
+        reply = script(keys=keys, args=args)
+    except Exception as exc:
+        def failed() -> Any:
+            raise exc
+        return failed
+    return lambda: reply
 
 
 def fire(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:

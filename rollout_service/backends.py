@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import httpx
 import redis
 
-from rollout_service.autopipeline import fire
+from rollout_service.autopipeline import fire, submit
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView
 from rollout_service.store import scripts_of
@@ -133,12 +133,24 @@ end
 
 _ACQUIRE = _LUA_ACQUIRE + "return acquire(ARGV[2], ARGV[3])"
 
-# The one round trip before an LLM call. ARGV: prefix, job, model, the job's hash (its cancel flag).
+# The one round trip before an LLM call. ARGV: prefix, job, model, the job's hash (its cancel flag),
+# '1' for a first call sent before the job's stage began: its model is the one init recorded for an
+# episode that calls the LLM first ('later' if it recorded none). An 'ok' answer's 4th element is '1'
+# when this call made the job's assignment.
 _START_CALL = _LUA_ACQUIRE + """
 if redis.call('HGET', ARGV[4], 'cancel_requested') == '1' then return {'cancelled'} end
+local model = ARGV[3]
+if ARGV[5] == '1' then
+  model = redis.call('HGET', ARGV[4], 'first_call_model')
+  if not model then return {'later'} end
+end
 if redis.call('EXISTS', key('paused')) == 1 then return {'paused'} end
-local answer = acquire(ARGV[2], ARGV[3])
-if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), ARGV[2], 1) end
+local assigned = redis.call('EXISTS', key('job', ARGV[2])) == 1
+local answer = acquire(ARGV[2], model)
+if answer[1] == 'ok' then
+  redis.call('HINCRBY', key('calls'), ARGV[2], 1)
+  answer[4] = assigned and '0' or '1'
+end
 return answer
 """
 
@@ -312,6 +324,35 @@ class BackendPool:
         reply = self._start_call(args=[self.prefix, job_id, model or "", job_key])
         status = as_text(reply[0])
         return status if status in ("cancelled", "paused") else self._granted(reply)
+
+    def first_call_soon(self, job_id: str, job_key: str) -> Callable[[], tuple[BackendView | str, bool]]:
+        """``start_call`` for a job's first LLM call, sent now and answered when the result is
+        called: a green run worker sends it with the stage's begin, in one round trip. Only for a
+        job whose episode calls the LLM first (init records its model; no sandbox or harness to
+        start before, which would hold a counted call while a trainer waits to sync weights);
+        ``"later"`` for the others. The answer also says whether this call made the job's
+        assignment (``drop_first_call`` undoes an unused one)."""
+        pending = submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"])
+
+        def answer() -> tuple[BackendView | str, bool]:
+            reply = pending()
+            status = as_text(reply[0])
+            if status in ("cancelled", "paused", "later"):
+                return status, False
+            return self._granted(reply), as_text(reply[3]) == "1"
+        return answer
+
+    def drop_first_call(self, job_id: str, answer: Callable[[], tuple[BackendView | str, bool]]) -> None:
+        """A first call granted by ``first_call_soon`` that will not be made: end it, and release
+        the assignment it made (one it found belongs to whoever holds the job)."""
+        try:
+            granted, assigned = answer()
+        except Exception:  # it failed: nothing was counted
+            return
+        if isinstance(granted, BackendView):
+            self.end_call(job_id)
+            if assigned:
+                self.release(job_id)
 
     def _granted(self, reply: list[Any]) -> BackendView:
         status = as_text(reply[0])

@@ -35,6 +35,8 @@ class PooledLLM:
         self.stop_reason = stop_reason
         self.max_moves = max_moves
         self.last_backend_id: Optional[str] = None
+        # BackendPool.first_call_soon's answer, if the run worker sent the first call's round trip early
+        self.first_call: Optional[Callable[[], tuple[BackendView | str, bool]]] = None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
         backend = self._start_call()
@@ -71,6 +73,9 @@ class PooledLLM:
         return gen.token_ids
 
     def release(self) -> None:
+        if self.first_call is not None:
+            self.pool.drop_first_call(self.job_id, self.first_call)
+            self.first_call = None
         self.pool.release(self.job_id)
 
     def _start_call(self) -> BackendView:
@@ -79,7 +84,12 @@ class PooledLLM:
         while True:
             if time.time() >= self.deadline_at:
                 raise EpisodeInterrupted(FinishReason.deadline)
-            granted = self.pool.start_call(self.job_id, self.sampling.model, self.job_key)
+            granted: BackendView | str = "later"
+            if self.first_call is not None:
+                answer, self.first_call = self.first_call, None
+                granted, _ = answer()
+            if granted == "later":
+                granted = self.pool.start_call(self.job_id, self.sampling.model, self.job_key)
             if granted == "cancelled":
                 raise EpisodeInterrupted(FinishReason.cancelled)
             if granted != "paused":

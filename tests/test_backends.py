@@ -457,3 +457,36 @@ def test_no_call_starts_while_paused_under_concurrency(pool: BackendPool, redis_
     assert not [s for s in stamps if paused_at < s[0] and s[1] < resuming_at]
     assert {v for sent, answered, v in stamps if answered < paused_at} == {0}
     assert {v for sent, answered, v in stamps if sent > resumed_at} == {5}
+
+
+def test_a_first_call_sent_with_the_stage_begin_counts_like_start_call_and_an_unused_one_is_undone(
+        pool: BackendPool, redis_client: redis.Redis) -> None:
+    """The run worker sends a job's first start_call with its stage's begin, before it knows the job:
+    only a job whose init recorded a first-call model gets one; one the episode does not use is
+    ended, and its assignment released only if this call made it."""
+    first, second = register(pool, 2)
+    job_key = "t:job:j1"
+    assert pool.first_call_soon("j1", job_key)() == ("later", False)  # init recorded nothing: start_call decides
+    assert pool.inflight_calls() == 0 and pool.backend_of("j1") is None
+
+    redis_client.hset(job_key, "first_call_model", MODEL)
+    answer = pool.first_call_soon("j1", job_key)
+    granted, assigned = answer()
+    assert granted.id in (first, second) and assigned
+    assert pool.inflight_calls() == 1 and live(pool)[granted.id] == 1
+    pool.drop_first_call("j1", answer)
+    assert pool.inflight_calls() == 0 and pool.backend_of("j1") is None and sum(live(pool).values()) == 0
+
+    held = pool.acquire("j1", MODEL)  # another delivery holds the job and its backend
+    answer = pool.first_call_soon("j1", job_key)
+    assert answer() == (held, False)
+    pool.drop_first_call("j1", answer)
+    assert pool.inflight_calls() == 0 and pool.backend_of("j1") == held.id and live(pool)[held.id] == 1
+    assert_exact(pool, redis_client)
+
+    pool.pause(60)
+    assert pool.first_call_soon("j1", job_key)() == ("paused", False)
+    pool.resume()
+    redis_client.hset(job_key, "cancel_requested", 1)
+    assert pool.first_call_soon("j1", job_key)() == ("cancelled", False)
+    assert pool.inflight_calls() == 0

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -129,3 +132,40 @@ def test_removing_a_backend_mid_run_moves_its_jobs_and_records_the_move(client, 
     assert [v.status.value for v in views] == ["completed"] * 4
     moved = [t for v in views for t in client.trajectory(v.job_id).turns if t.moved_from]
     assert moved and all(t.moved_from == leaving.id and t.backend_id == staying.id for t in moved)
+
+
+def test_a_job_without_a_sandbox_gets_its_first_call_with_its_run_stage_and_leaves_no_call_or_backend_held(
+        client, scripted_backend, service):
+    """Init records the model of an episode whose first step is an LLM call; the run worker sends that
+    call's start_call with the stage's begin. Every call so counted is ended and every assignment
+    released, whether the episode used it or the stage did not run."""
+    problem = f"First call early ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
+        tool_call("finish", answer="\\boxed{4}")]}]}, model="early")
+    finishing = client.submit(math_task(problem), n=4, agent={"tools": ["finish"]}, sampling={"model": "early"})
+    in_sandbox = client.submit(math_task(problem), agent={"tools": ["finish", "ipython"]}, sampling={"model": "early"})
+    views = client.wait(finishing.job_ids + in_sandbox.job_ids, timeout_s=120)
+    assert [v.status.value for v in views] == ["completed"] * 5, [v.error for v in views]
+    redis = service.redis()
+    recorded = [redis.hget(f"rollout:job:{j}", "first_call_model") for j in finishing.job_ids + in_sandbox.job_ids]
+    assert recorded == [b"early"] * 4 + [None]  # a sandbox boots first: its first call is not sent early
+    assert redis.hget("rollout:backend:calls", finishing.job_ids[0]) is None
+
+    def assignments() -> tuple[int, int]:
+        view = next(b for b in client.backends() if b.id == backend.id)
+        return view.total_assignments, view.live_assignments
+
+    total, live = assignments()
+    assert live == 0
+    redis.set("rollout:housekeeping:lock", "test", px=60_000)  # no reconcile meanwhile: the run worker must undo it
+    try:
+        time.sleep(1)  # a housekeeping round under way ends
+        done = finishing.job_ids[0]  # its run message delivered again: the stage finds the job done and skips
+        subprocess.run([sys.executable, "-c", f"from workers import dispatch; dispatch.send_stage('run', [{done!r}])"],
+                       env={**os.environ, **service.env}, check=True, timeout=60)
+        wait_for(lambda: assignments()[0] == total + 1, what="the early first call to assign a backend")
+        wait_for(lambda: assignments()[1] == 0 and redis.hlen("rollout:backend:calls") == 0, timeout_s=20,
+                 what="the unused first call to be ended and its assignment released")
+    finally:
+        redis.delete("rollout:housekeeping:lock")
+    assert client.get(done).status.value == "completed"

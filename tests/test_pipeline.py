@@ -173,3 +173,4 @@ def test_rollouts_of_a_seeded_group_get_distinct_seeds(client, scripted_backend)
     backend = scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
     client.wait(client.submit(math_task(problem), n=3, sampling={"seed": 10}).job_ids, timeout_s=120)
     assert sorted(call["params"]["seed"] for call in server_log(backend.url)) == [10, 11, 12]
+

@@ -3,24 +3,26 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool
 from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
-from rollout_service.sandbox import SandboxSpec, create_sandbox
-from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepared
+from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
+from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
+from rollout_service.store import JobStore
 from rollout_service.tasks import get_handler, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
-from workers.stage import Slots, StageContext, run_stage_jobs
+from workers.stage import Slots, StageContext, job_store, run_stage_jobs
 
 slots = Slots()
 SLOT_WAIT_S = 0.1
+FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_call_soon's answer
 
 
 @app.task(name=dispatch.TASK_NAMES["run"])
@@ -33,9 +35,13 @@ def run_jobs(job_ids: list[str]) -> None:
         dispatch.send_stage("run", job_ids[taken:])
 
     def episode(job_id: str, beyond_first: bool) -> None:
+        pool = BackendPool(job_store().redis)
+        first_call = [pool.first_call_soon(job_id, JobStore.key(job_id))]  # rides with the stage's begin
         try:
-            run_stage_jobs([job_id], "run", run_episode)
+            run_stage_jobs([job_id], "run", lambda ctx: run_episode(ctx, first_call))
         finally:
+            if first_call:  # the episode did not take it (the job was done, cancelled or leased)
+                pool.drop_first_call(job_id, first_call.pop())
             slots.give_back(beyond_first)
 
     episodes = [threading.Thread(target=episode, args=(job_id, n > 0), name=f"run-{job_id}")
@@ -46,7 +52,7 @@ def run_jobs(job_ids: list[str]) -> None:
         thread.join()
 
 
-def run_episode(ctx: StageContext) -> None:
+def run_episode(ctx: StageContext, first_call: list[FirstCall]) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
     request, prepared = JobRequest.model_validate(ctx.blob("request")), Prepared.model_validate(ctx.blob("prepared"))
     handler = get_handler(request.task["domain"])
@@ -86,7 +92,8 @@ def run_episode(ctx: StageContext) -> None:
         tools = ("bash",)  # the sandbox runs the harness (and the domain's artifact) through bash
     episode: Optional[Episode] = None
     try:
-        if harness is not None or set(tools) - {"finish"}:
+        llm.first_call = first_call.pop() if first_call else None  # released with the job's backend if unused
+        if needs_sandbox(tools, harness):
             Path(prepared.workspace).mkdir(parents=True, exist_ok=True)  # a handler that writes none leaves it to us
             sandbox = create_sandbox(settings.sandbox, SandboxSpec(
                 job_id=job_id, workspace=prepared.workspace, image=prepared.image,

@@ -12,7 +12,7 @@ Inside each, ``rollout_service.tools.action_server`` answers on a Unix socket.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from rollout_service.errors import UnknownName
 from rollout_service.sandbox.base import Sandbox, SandboxSpec
@@ -35,6 +35,11 @@ def reap_expired(redis_client: Any, hostname: Any = None) -> Any:
     return reap(redis_client, hostname)
 
 
+def needs_sandbox(tools: Iterable[str], harness: object) -> bool:
+    """Whether an episode runs in a sandbox: it has tools beyond ``finish``, or an external harness."""
+    return harness is not None or bool(set(tools) - {"finish"})
+
+
 def create_sandbox(kind: str, spec: SandboxSpec, redis_client: Any = None) -> Sandbox:
     """A sandbox of ``kind`` for ``spec``, not started yet; registered in Redis on start if given."""
     if kind == "apptainer":
@@ -44,4 +49,4 @@ def create_sandbox(kind: str, spec: SandboxSpec, redis_client: Any = None) -> Sa
     return SANDBOXES[kind](spec, redis_client)
 
 
-__all__ = ["SANDBOXES", "Sandbox", "SandboxSpec", "create_sandbox", "reap_expired"]
+__all__ = ["SANDBOXES", "Sandbox", "SandboxSpec", "create_sandbox", "needs_sandbox", "reap_expired"]
