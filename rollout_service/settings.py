@@ -38,6 +38,7 @@ class Settings:
     control_concurrency: int = 4
     stage_batch_max_jobs: int = 32  # jobs per stage message: one Celery task carries many jobs under load
     handoff_window_ms: float = 5.0  # a stage gathers the jobs it hands to the next one for this long
+    episode_start_gap_ms: float = 0.1  # between the episodes of one run message, so their calls do not march in step
     worker_log_level: str = "WARNING"  # INFO logs two lines per task
     task_events: bool = True  # Celery task events, what Flower shows; off saves ~30% of Celery's cost per task
     redis_max_connections: int = 64  # per process; callers beyond it wait for a free one

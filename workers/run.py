@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -12,6 +13,7 @@ from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
+from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from rollout_service.tasks import get_handler, restore_workspace
 from rollout_service.tokens import renderer_for
@@ -46,7 +48,10 @@ def run_jobs(job_ids: list[str]) -> None:
 
     episodes = [threading.Thread(target=episode, args=(job_id, n > 0), name=f"run-{job_id}")
                 for n, job_id in enumerate(job_ids[:taken])]
-    for thread in episodes:
+    gap_s = get_settings().episode_start_gap_ms / 1000
+    for n, thread in enumerate(episodes):
+        if n and gap_s > 0:
+            time.sleep(gap_s)  # a green sleep: started together, their calls would answer together every turn
         thread.start()
     for thread in episodes:
         thread.join()
