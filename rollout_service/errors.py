@@ -89,6 +89,14 @@ class BackendRejected(BackendError):
         self.status = status
 
 
+class ContextWindowExceeded(BackendRejected):
+    """The server refused the prompt as longer than its model's context: a limit the episode
+    reached (finish reason ``context_length``), not a failure. Set ``sampling.max_model_len`` to
+    stop before the server has to say so."""
+
+    code = "context_window_exceeded"
+
+
 class SandboxError(RolloutError):
     """A sandbox failed to start, answer, or stop (not a tool error: those are observations)."""
 

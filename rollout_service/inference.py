@@ -15,6 +15,7 @@ a ``BackendError`` naming the server.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from rollout_service.errors import (
     BackendRejected,
     BackendTimeout,
     BackendUnreachable,
+    ContextWindowExceeded,
     UnknownName,
 )
 from rollout_service.schemas import Sampling
@@ -80,6 +82,13 @@ class HttpxTransport:
         except httpx.HTTPError as exc:
             raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
         return response.status_code, response.content
+
+
+# How vLLM ("This model's maximum context length is N tokens. However, ...", "... is too long and
+# exceeds limit of N"), SGLang ("The input (N tokens) is longer than the model's context length")
+# and OpenAI-compatible servers refuse a prompt that no longer fits.
+_CONTEXT_FULL = re.compile(r"maximum context length|context (length|window)|(prompt|input).{0,60}"
+                           r"(too long|exceeds)", re.IGNORECASE)
 
 
 def _server_message(content: bytes) -> str:
@@ -182,9 +191,12 @@ class _HTTPInferenceClient:
                     f" (is {self.url} really a {self.kind} server? vLLM serves /v1/completions, "
                     "SGLang serves /generate: register the backend with the right kind)"
                 )
-            raise BackendRejected(
+            message = _server_message(content)
+            rejected = ContextWindowExceeded if status in (400, 413) and _CONTEXT_FULL.search(message) \
+                else BackendRejected
+            raise rejected(
                 f"the {self.kind} backend at {self.url} answered {status} to "
-                f"POST {self.path}: {_server_message(content)}{hint}",
+                f"POST {self.path}: {message}{hint}",
                 status=status,
             )
         try:

@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 from rollout_service.agent import EpisodeInterrupted
 from rollout_service.backends import BackendPool
-from rollout_service.errors import BackendError, BackendTimeout, BackendUnreachable, NoBackendAvailable
+from rollout_service.errors import (BackendError, BackendTimeout, BackendUnreachable, ContextWindowExceeded,
+                                    NoBackendAvailable)
 from rollout_service.inference import InferenceClient, make_client
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.trajectory import TrajectoryBuilder
@@ -59,6 +60,8 @@ class PooledLLM:
                     if time.time() >= self.deadline_at:  # cut by the job's deadline, not a slow server
                         raise EpisodeInterrupted(FinishReason.deadline) from None
                     raise
+                except ContextWindowExceeded:  # the server's context is full: a limit, like max_model_len
+                    raise EpisodeInterrupted(FinishReason.context_length) from None
                 except BackendUnreachable as exc:
                     moved_from = moved_from or backend.id
                     backend = self._move(backend, exc)

@@ -101,10 +101,10 @@ class ScriptEngine:
 
     name = "scripted"
 
-    def __init__(self, script: dict[str, Any], tokenizer_path: str) -> None:
+    def __init__(self, script: dict[str, Any], tokenizer_path: str, max_model_len: int = 1 << 30) -> None:
         self.episodes = _validated_episodes(script)
         self.renderer = ChatRenderer(load_tokenizer(tokenizer_path))
-        self.max_model_len = 1 << 30
+        self.max_model_len = max_model_len
         self._rotations = collections.Counter()
         self._rotation_lock = threading.Lock()
 
@@ -117,6 +117,9 @@ class ScriptEngine:
         return self.renderer.encode(text)
 
     def generate(self, prompt_ids: list[int], params: GenerateParams) -> Completion:
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                               f"However, your prompt has {len(prompt_ids)} tokens; shorten it")
         prompt_text = self.renderer.decode(prompt_ids)
         episode = next((e for e in self.episodes if e["match"] in prompt_text), None)
         if episode is None:
@@ -729,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long the first request of a batch waits for others to join")
     parser.add_argument("--torch-threads", type=int, default=settings.reference_torch_threads,
                         help="torch intra-op threads (0: torch's default, one per core)")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="context length of the scripted engine in tokens (default: unlimited)")
     parser.add_argument("--verbose", action="store_true", help="log every request")
     return parser
 
@@ -739,7 +744,7 @@ def build_engine(args: argparse.Namespace) -> ScriptEngine | ModelEngine:
             raise SystemExit("--script needs --tokenizer PATH (the tokenizer the rollouts use)")
         try:
             script = json.loads(Path(args.script).read_text())
-            return ScriptEngine(script, args.tokenizer)
+            return ScriptEngine(script, args.tokenizer, args.max_model_len or 1 << 30)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"cannot load script {args.script}: {exc}") from exc
     import torch

@@ -48,8 +48,9 @@ def scripted_backend(service: Service, scripted_server: Callable[..., str], tiny
     """Start a scripted inference server and register it; removed again after the test."""
     registered: list[str] = []
     with service.client() as c:
-        def make(script: dict, kind: str = "vllm", model: str = "scripted") -> BackendView:
-            backend = c.add_backend(scripted_server(script), kind, model, tokenizer=str(tiny_tokenizer_dir))
+        def make(script: dict, kind: str = "vllm", model: str = "scripted", *server_args: str) -> BackendView:
+            backend = c.add_backend(scripted_server(script, *server_args), kind, model,
+                                    tokenizer=str(tiny_tokenizer_dir))
             registered.append(backend.id)
             return backend
 

@@ -11,7 +11,8 @@ from typing import Callable
 import httpx
 import pytest
 
-from rollout_service.errors import BackendError, BackendRejected, BackendTimeout, BackendUnreachable, UnknownName
+from rollout_service.errors import (BackendError, BackendRejected, BackendTimeout, BackendUnreachable,
+                                    ContextWindowExceeded, UnknownName)
 from rollout_service.inference import SGLangClient, VLLMClient, make_client
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess, scripted_logprob
@@ -361,3 +362,21 @@ def test_generation_stops_at_a_stop_token_and_includes_it(model_server, model_pr
 def test_the_model_server_lists_its_model_and_context_length(model_server, tiny_model_dir):
     model, = httpx.get(f"{model_server}/v1/models").json()["data"]
     assert model["id"] == str(tiny_model_dir) and model["max_model_len"] == 8192
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("status, message, full", [
+    (400, "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+          "(4000 in the messages, 1000 in the completion).", True),  # vLLM
+    (400, "The input (9000 tokens) is longer than the model's context length (8192 tokens).", True),  # SGLang
+    (400, "Input prompt (9000 tokens) is too long and exceeds limit of 8192", True),  # vLLM v1
+    (413, "prompt is too long", True),
+    (400, "temperature must be non-negative, got -1.0", False),
+    (500, "This model's maximum context length is 4096 tokens.", False),  # not a refusal of the prompt
+])
+def test_a_server_refusing_a_prompt_too_long_for_its_context_is_told_apart(kind, status, message, full):
+    client = mock_client(VLLMClient if kind == "vllm" else SGLangClient,
+                         lambda request: httpx.Response(status, json={"error": {"message": message}}))
+    with pytest.raises(BackendRejected) as caught:
+        client.generate([1, 2, 3], Sampling(), 8, 5)
+    assert isinstance(caught.value, ContextWindowExceeded) is full and caught.value.status == status

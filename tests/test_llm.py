@@ -169,3 +169,20 @@ def test_a_job_without_a_sandbox_gets_its_first_call_with_its_run_stage_and_leav
     finally:
         redis.delete("rollout:housekeeping:lock")
     assert client.get(done).status.value == "completed"
+
+
+def test_a_server_refusing_a_prompt_longer_than_its_context_ends_the_episode_with_context_length(
+        client, scripted_backend):
+    """A limit, not a failure: the episode keeps its turns and is graded, as with sampling.max_model_len."""
+    problem = f"Context full ({uuid.uuid4().hex[:6]})"
+    long_turn = "Let me think. " * 300 + tool_call("ipython", code="print(4)")
+    scripted_backend({"episodes": [{"match": problem, "turns": [long_turn, tool_call("finish", answer="4")]}]},
+                     "vllm", "short", "--max-model-len", "1000")
+    job_id, = client.submit(math_task(problem), agent={"tools": ["finish"]},
+                            sampling={"model": "short", "max_new_tokens": 4096}).job_ids
+    view, = client.wait([job_id], timeout_s=60)
+    assert view.status.value == "completed" and view.error is None
+    assert view.finish_reason.value == "context_length" and view.reward == 0.0
+    trajectory = client.trajectory(job_id)
+    assert [t.kind for t in trajectory.turns] == ["generation", "observation"] and trajectory.truncated
+    assert len(trajectory.prompt_ids) < 1000 <= len(trajectory.prompt_ids) + len(trajectory.response_ids)
