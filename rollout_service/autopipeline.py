@@ -76,7 +76,7 @@ class AutoPipelineRedis(redis.Redis):
     def submit(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Callable[[], Any]:
         """Queue ``script`` with the next shared round trip and return at once; calling the result
         waits for its reply (raises its error)."""
-        waiter = _Waiter(("EVALSHA", script.sha, len(keys), *keys, *args), {}, _new_event(), script)
+        waiter = _script_waiter(script, keys, args, _new_event())
         self._enqueue([waiter])
 
         def reply() -> Any:
@@ -88,7 +88,7 @@ class AutoPipelineRedis(redis.Redis):
 
     def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
         """Queue ``script`` with the next shared round trip and return at once."""
-        self.run_together([(("EVALSHA", script.sha, len(keys), *keys, *args), {})], [script], wait=False)
+        self._enqueue([_script_waiter(script, keys, args, None)])
 
     def _enqueue(self, waiters: list[_Waiter]) -> None:
         import gevent
@@ -140,6 +140,10 @@ class AutoPipelineRedis(redis.Redis):
             return redis.Redis.execute_command(self, *waiter.args, **waiter.options)
         except Exception as exc:
             return exc
+
+
+def _script_waiter(script: Script, keys: Sequence[Any], args: Sequence[Any], event: Any) -> _Waiter:
+    return _Waiter(("EVALSHA", script.sha, len(keys), *keys, *args), {}, event, script)
 
 
 def _new_event() -> Any:

@@ -33,6 +33,7 @@ from rollout_service.store import scripts_of
 from rollout_service.store import as_text
 
 FAILURES_TO_UNHEALTHY = 2
+FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_call_soon's answer
 PROBE_THREADS = 32
 
 _LUA_KEYS = """
@@ -325,7 +326,7 @@ class BackendPool:
         status = as_text(reply[0])
         return status if status in ("cancelled", "paused") else self._granted(reply)
 
-    def first_call_soon(self, job_id: str, job_key: str) -> Callable[[], tuple[BackendView | str, bool]]:
+    def first_call_soon(self, job_id: str, job_key: str) -> FirstCall:
         """``start_call`` for a job's first LLM call, sent now and answered when the result is
         called: a green run worker sends it with the stage's begin, in one round trip. Only for a
         job whose episode calls the LLM first (init records its model; no sandbox or harness to
@@ -342,7 +343,7 @@ class BackendPool:
             return self._granted(reply), as_text(reply[3]) == "1"
         return answer
 
-    def drop_first_call(self, job_id: str, answer: Callable[[], tuple[BackendView | str, bool]]) -> None:
+    def drop_first_call(self, job_id: str, answer: FirstCall) -> None:
         """A first call granted by ``first_call_soon`` that will not be made: end it, and release
         the assignment it made (one it found belongs to whoever holds the job)."""
         try:

@@ -7,7 +7,7 @@ import time
 from typing import Callable, Optional
 
 from rollout_service.agent import EpisodeInterrupted
-from rollout_service.backends import BackendPool
+from rollout_service.backends import BackendPool, FirstCall
 from rollout_service.errors import (BackendError, BackendTimeout, BackendUnreachable, ContextWindowExceeded,
                                     NoBackendAvailable)
 from rollout_service.inference import InferenceClient, make_client
@@ -37,7 +37,7 @@ class PooledLLM:
         self.max_moves = max_moves
         self.last_backend_id: Optional[str] = None
         # BackendPool.first_call_soon's answer, if the run worker sent the first call's round trip early
-        self.first_call: Optional[Callable[[], tuple[BackendView | str, bool]]] = None
+        self.first_call: Optional[FirstCall] = None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
         backend = self._start_call()

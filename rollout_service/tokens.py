@@ -100,6 +100,9 @@ _DIRECT_RENDER_PROBES: tuple[tuple[list[dict[str, Any]], list[dict[str, Any]] | 
 )
 
 
+_DIRECT_TEMPLATE_NEEDS = ("_alias_reasoning_fields", "_compile_jinja_template", "_plain_template_data")
+
+
 class _DirectTemplate:
     """The tokenizer's chat template rendered as ``apply_chat_template(tokenize=False)`` renders it
     for plain JSON messages, without the wrapper's per-call work (choosing and compiling the
@@ -108,11 +111,14 @@ class _DirectTemplate:
     and reasoning fields aliased as the wrapper does. The renderer checks it against the wrapper
     when it is built."""
 
-    def __init__(self, tokenizer: Any, compile_template: Any, plain_data: Any, alias_reasoning: Any) -> None:
+    def __init__(self, tokenizer: Any) -> None:
+        from transformers.utils.chat_template_utils import (
+            _alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
+
         self.tokenizer = tokenizer
-        self._compile = compile_template
-        self._alias_reasoning = alias_reasoning
-        self._variables = plain_data(dict(tokenizer.special_tokens_map))
+        self._compile = _compile_jinja_template
+        self._alias_reasoning = _alias_reasoning_fields
+        self._variables = _plain_template_data(dict(tokenizer.special_tokens_map))
         self._templates: dict[bool, Any] = {}
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -128,19 +134,15 @@ class _DirectTemplate:
 
 def _direct_template(tokenizer: Any) -> "_DirectTemplate | None":
     try:
-        from transformers.utils.chat_template_utils import (
-            _alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
-    except ImportError:  # another transformers: its wrapper, as it is
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.utils import chat_template_utils
+    except ImportError:
         return None
-    if type(tokenizer).apply_chat_template is not _base_apply_chat_template():
+    if not all(hasattr(chat_template_utils, name) for name in _DIRECT_TEMPLATE_NEEDS):
+        return None  # another transformers: its wrapper, as it is
+    if type(tokenizer).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template:
         return None  # a tokenizer class with its own rendering
-    return _DirectTemplate(tokenizer, _compile_jinja_template, _plain_template_data, _alias_reasoning_fields)
-
-
-def _base_apply_chat_template() -> Any:
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
-    return PreTrainedTokenizerBase.apply_chat_template
+    return _DirectTemplate(tokenizer)
 
 
 class ChatRenderer:

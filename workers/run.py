@@ -4,15 +4,15 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from rollout_service.agent import Agent, Episode, Limits
-from rollout_service.backends import BackendPool
+from rollout_service.backends import BackendPool, FirstCall
 from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
-from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
+from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from rollout_service.tasks import get_handler, restore_workspace
@@ -24,7 +24,6 @@ from workers.stage import Slots, StageContext, job_store, run_stage_jobs
 
 slots = Slots()
 SLOT_WAIT_S = 0.1
-FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_call_soon's answer
 
 
 @app.task(name=dispatch.TASK_NAMES["run"])
@@ -40,7 +39,7 @@ def run_jobs(job_ids: list[str]) -> None:
         pool = BackendPool(job_store().redis)
         first_call = [pool.first_call_soon(job_id, JobStore.key(job_id))]  # rides with the stage's begin
         try:
-            run_stage_jobs([job_id], "run", lambda ctx: run_episode(ctx, first_call))
+            run_stage_jobs([job_id], "run", lambda ctx: run_episode(ctx, pool, first_call))
         finally:
             if first_call:  # the episode did not take it (the job was done, cancelled or leased)
                 pool.drop_first_call(job_id, first_call.pop())
@@ -57,11 +56,10 @@ def run_jobs(job_ids: list[str]) -> None:
         thread.join()
 
 
-def run_episode(ctx: StageContext, first_call: list[FirstCall]) -> None:
+def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall]) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
     request, prepared = JobRequest.model_validate(ctx.blob("request")), Prepared.model_validate(ctx.blob("prepared"))
     handler = get_handler(request.task["domain"])
-    pool = BackendPool(store.redis)
     sampling = request.sampling.model_copy(update={"model": prepared.model})
     if sampling.seed is not None:  # rollouts of a group must not replay one sample
         sampling.seed += ctx.rollout_index
