@@ -160,8 +160,10 @@ def submit(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: 
     try:
         reply = script(keys=keys, args=args)
     except Exception as exc:
+        error = exc  # ``exc`` itself is unbound once the except block ends
+
         def failed() -> Any:
-            raise exc
+            raise error
         return failed
     return lambda: reply
 

@@ -113,3 +113,18 @@ def test_outside_gevent_a_pipeline_loads_its_script_once_and_again_after_the_ser
     except redis.ResponseError:
         pass
     assert client_class() is ScriptLoadingRedis  # this test process is not green
+
+
+def test_outside_gevent_a_submitted_script_answers_later_with_its_reply_or_its_error(redis_url):
+    import pytest
+    import redis
+
+    from rollout_service.autopipeline import submit
+
+    client = redis.Redis.from_url(redis_url)
+    answer = submit(client, client.register_script("return redis.call('INCR', KEYS[1])"), keys=["submitted"])
+    assert answer() == 1
+    client.set("not-a-hash", "x")
+    failing = submit(client, client.register_script("return redis.call('HGET', KEYS[1], 'f')"), keys=["not-a-hash"])
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        failing()
