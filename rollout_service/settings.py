@@ -55,6 +55,7 @@ class Settings:
     max_turns: int = 20
     max_new_tokens: int = 1024
     sandbox: str = "bwrap"  # "local" (no isolation) only when asked for explicitly
+    sandbox_fork_server: bool = True  # bwrap as root: sandboxes forked from one server per worker, not a bwrap each
     sandbox_memory_mb: int = 2048
     sandbox_max_procs: int = 256
     sandbox_cpu_time_s: int = 3600

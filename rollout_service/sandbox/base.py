@@ -65,12 +65,19 @@ class Sandbox(Protocol):
 class ActionClient:
     """One persistent connection to an action server; newline-delimited JSON each way."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, connected: Optional[socket.socket] = None) -> None:
         self.path = path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
+        if connected is None:
+            connected = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            connected.connect(path)
+        self._sock = connected
         self._reader = self._sock.makefile("rb")
         self._lock = threading.Lock()
+
+    @classmethod
+    def over(cls, connected: socket.socket) -> "ActionClient":
+        """A client on a socket already connected to the server (a socketpair's end)."""
+        return cls("", connected)
 
     def call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         with self._lock:
@@ -308,8 +315,9 @@ class ServerSandbox:
             )
         try:
             self._spawn()
-            self._wait_ready(began + START_TIMEOUT_S)
-            self._client = ActionClient(self.socket_path)
+            if self._client is None:
+                self._wait_ready(began + START_TIMEOUT_S)
+                self._client = ActionClient(self.socket_path)
             self._client.call({"tool": "_ping", "args": {}}, START_TIMEOUT_S)
         except SandboxError:
             self.stop()
@@ -355,13 +363,7 @@ class ServerSandbox:
 
     def _spawn(self) -> None:
         """Make the socket directory, take what this kind needs, start the sandbox's process."""
-        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
-        if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
-            raise SandboxError(
-                f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
-                "point TMPDIR at a shorter directory"
-            )
-        self._log_path = os.path.join(self.socket_dir, "server.log")
+        self._make_socket_dir()
         self._prepare()
         argv, popen_options = self._launch()
         with open(self._log_path, "ab") as log_file:
@@ -370,6 +372,15 @@ class ServerSandbox:
             else:
                 self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                stderr=log_file, start_new_session=True, **popen_options)
+
+    def _make_socket_dir(self) -> None:
+        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
+        if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
+            raise SandboxError(
+                f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
+                "point TMPDIR at a shorter directory"
+            )
+        self._log_path = os.path.join(self.socket_dir, "server.log")
 
     def _read_to_end(self, deadline: float) -> tuple[bytes, bool]:
         """The process's stdout (capped), and whether it closed before ``deadline``."""

@@ -9,21 +9,32 @@ RLIMIT_NPROC for uid 0, and counts it per uid: one uid per sandbox is what conta
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import random
+import select
 import shutil
+import socket
 import stat
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rollout_service.errors import SandboxError
 from rollout_service.sandbox.base import (
     INNER_SOCKET,
     INNER_SOCKET_DIR,
     INNER_WORKSPACE,
+    START_TIMEOUT_S,
+    ActionClient,
     ServerSandbox,
     SandboxSpec,
+    Spawned,
+    _launcher,
+    green_process,
     host_import_paths,
     server_arguments,
 )
@@ -33,6 +44,10 @@ SANDBOX_UID_BASE = 900_000_000
 SANDBOX_UID_SLOTS = 65_536
 UID_LOCK_DIR = "/run/rollout-sandbox-uids"
 PRIVATE_TOP_LEVEL = {"proc", "dev", "tmp", "run", "workspace", "lost+found"}
+PRIVATE_PER_SANDBOX = ("/tmp", "/dev/shm", "/run")
+HOST_VIEW = "/.rollout-host"  # the host's root inside the fork server, for binding workspaces; never in a sandbox
+FORK_SERVER_BOOTSTRAP = ("import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.zygote import main; main()")
+FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH")
 
 
 class UidLease:
@@ -129,6 +144,27 @@ def host_root_mounts() -> list[str]:
     return args
 
 
+def _bwrap() -> str:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxError("bwrap is not installed: apt-get install bubblewrap, or set ROLLOUT_SANDBOX=singularity (or =local for no isolation, development only)")
+    return bwrap
+
+
+def _layout(tmp_size: str, hide: tuple[str, ...], check_access: bool) -> list[str]:
+    """The file system every sandbox sees: the host read-only, private /tmp, /dev/shm and /run."""
+    argv = host_root_mounts() + ["--dev", "/dev", "--proc", "/proc"]
+    for private in ("/tmp", "/dev/shm"):
+        argv += ["--perms", "1777", "--size", tmp_size, "--tmpfs", private]
+    argv += ["--tmpfs", "/run"]
+    covered = list(PRIVATE_PER_SANDBOX)
+    for path in hide:
+        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in covered):
+            covered.append(path)
+            argv += ["--tmpfs", path]
+    return argv + runtime_mounts(covered, check_access=check_access)
+
+
 def bwrap_argv(
     spec: SandboxSpec,
     socket_dir: str,
@@ -137,26 +173,13 @@ def bwrap_argv(
     hide: tuple[str, ...] = (),
 ) -> list[str]:
     """The bwrap command that runs the action server for ``spec``; ``uid`` set when started as root."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SandboxError("bwrap is not installed: apt-get install bubblewrap, or set ROLLOUT_SANDBOX=singularity (or =local for no isolation, development only)")
-    tmp_size = str(max(spec.memory_mb, 64) * 1024 * 1024)
-    argv = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
+    argv = [_bwrap(), "--die-with-parent", "--new-session", "--clearenv"]
     if uid is None:
         argv += ["--unshare-all", "--unshare-user", "--disable-userns"]
     else:
         argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    argv += host_root_mounts() + ["--dev", "/dev", "--proc", "/proc"]
-    for private in ("/tmp", "/dev/shm"):
-        argv += ["--perms", "1777", "--size", tmp_size, "--tmpfs", private]
-    argv += ["--tmpfs", "/run"]
-    covered = ["/tmp", "/dev/shm", "/run"]
-    for path in hide:
-        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in covered):
-            covered.append(path)
-            argv += ["--tmpfs", path]
-    argv += runtime_mounts(covered, check_access=uid is not None)
+    argv += _layout(tmp_size_bytes(spec), hide, check_access=uid is not None)
     argv += ["--bind", socket_dir, INNER_SOCKET_DIR, "--bind", spec.workspace, INNER_WORKSPACE]
     argv += ["--chdir", INNER_WORKSPACE]
     argv += ["--remount-ro", "/", "--hostname", "sandbox"]
@@ -167,6 +190,168 @@ def bwrap_argv(
     if uid is not None:
         argv += ["--user", f"{uid}:{uid}"]
     return argv
+
+
+def tmp_size_bytes(spec: SandboxSpec) -> str:
+    return str(max(spec.memory_mb, 64) * 1024 * 1024)
+
+
+def fork_server_argv(control_fd: int, hide: tuple[str, ...]) -> list[str]:
+    """The bwrap command of the fork server (``rollout_service.tools.zygote``): the sandboxes' layout
+    (their own /tmp, /dev/shm, /run, /proc and /dev/pts are mounted per sandbox), no network, the host's
+    root at HOST_VIEW to bind workspaces from, and the capabilities to make namespaces and mounts."""
+    argv = [_bwrap(), "--die-with-parent", "--new-session", "--clearenv",
+            "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    argv += ["--cap-drop", "ALL"]
+    for capability in FORK_SERVER_CAPS:
+        argv += ["--cap-add", capability]
+    argv += _layout("1048576", hide, check_access=True)
+    argv += ["--dir", INNER_WORKSPACE, "--bind", "/", HOST_VIEW, "--remount-ro", "/", "--hostname", "sandbox"]
+    argv += ["--", sys.executable, "-I", "-S", "-c", FORK_SERVER_BOOTSTRAP.format(paths=host_import_paths()),
+             "--control-fd", str(control_fd)]
+    return argv
+
+
+def fork_mount_plan(spec: SandboxSpec, socket_dir: str) -> list[list[str]]:
+    """What a forked sandbox's init mounts (``rollout_service.tools.zygote.apply_mounts``) to get what
+    a sandbox of its own bwrap gets: a fresh /tmp, /dev/shm and /run (with the runtime bound back where
+    it lives under them), its workspace and socket directory, its own /proc and /dev/pts; then the
+    host's root is detached."""
+    size = tmp_size_bytes(spec)
+    plan: list[list[str]] = [["private", "/"], ["tmpfs", size, "1777", "/tmp"], ["tmpfs", size, "1777", "/dev/shm"],
+                             ["tmpfs", "1048576", "755", "/run"]]
+    made = set(PRIVATE_PER_SANDBOX)
+    for path in runtime_paths():
+        base = next((c for c in PRIVATE_PER_SANDBOX if path.startswith(c + "/")), None)
+        if base is None:
+            continue
+        for directory in reversed(Path(path).parents):
+            if len(str(directory)) > len(base) and str(directory) not in made:
+                made.add(str(directory))
+                plan.append(["dir", str(directory)])
+        plan += [["dir", path], ["ro-bind", HOST_VIEW + path, path]]
+    plan += [["dir", INNER_SOCKET_DIR], ["bind", HOST_VIEW + os.path.realpath(socket_dir), INNER_SOCKET_DIR],
+             ["bind", HOST_VIEW + os.path.realpath(spec.workspace), INNER_WORKSPACE],
+             ["proc", "/proc"], ["devpts", "/dev/pts"], ["detach", HOST_VIEW]]
+    return plan
+
+
+class ForkServer:
+    """This process's fork server: started on first use, started again if it died."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner = -1
+        self._control: socket.socket | None = None
+        self._process: Any = None
+
+    def spawn(self, request: dict[str, Any], fds: list[int]) -> int:
+        """Fork a sandbox for ``request`` with ``fds`` (channel, log, status); returns its pid."""
+        with self._lock:
+            answer = b""
+            for _ in range(2):  # a dead server took its sandboxes with it, so one retry is safe
+                try:
+                    control = self._connected()
+                    socket.send_fds(control, [json.dumps(request).encode()], fds)
+                    answer = control.recv(65536)
+                except OSError:
+                    answer = b""
+                if answer:
+                    break
+                self._discard()
+        if not answer:
+            raise SandboxError(f"the sandbox fork server stopped answering; {self._log_tail()}")
+        reply = json.loads(answer)
+        if "error" in reply:
+            raise SandboxError(f"the sandbox fork server could not start a sandbox: {reply['error']}")
+        return int(reply["pid"])
+
+    def _connected(self) -> socket.socket:
+        if self._control is not None and self._owner == os.getpid():
+            return self._control
+        self._control = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._log = os.path.join(tempfile_dir(), f"rollout-fork-server-{os.getpid()}.log")
+        try:
+            os.set_inheritable(theirs.fileno(), True)
+            argv = fork_server_argv(theirs.fileno(), (str(get_settings().state_path),))
+            with open(self._log, "ab") as log:
+                if green_process():
+                    self._process = Spawned(argv, log)
+                else:
+                    self._process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                                    start_new_session=True, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+        fd = self._process.stdout.fileno()
+        if not select.select([fd], [], [], START_TIMEOUT_S)[0] or os.read(fd, 64) != b"ready\n":
+            self._discard()
+            raise SandboxError(f"the sandbox fork server did not start; {self._log_tail()}")
+        self._control, self._owner = ours, os.getpid()
+        return ours
+
+    def _discard(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        if self._process is not None and self._owner == os.getpid():
+            try:
+                os.kill(self._process.pid, 9)
+            except OSError:
+                pass
+            self._process.wait()
+            self._process.stdout.close()
+        self._process = None
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self._log, "rb") as f:
+                return "its log: " + f.read()[-2000:].decode("utf-8", "replace")
+        except (OSError, AttributeError):
+            return "no log"
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+_fork_server = ForkServer()
+
+
+class Forked:
+    """A sandbox the fork server started: ``pid`` is its outermost process, in this pid namespace;
+    its init writes the exit code of the server or script to ``status_fd`` and closes it."""
+
+    def __init__(self, pid: int, status_fd: int, stdout: Any = None) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: Optional[int] = None
+        self._status = status_fd
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and select.select([self._status], [], [], 0)[0]:
+            self._collect()
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._status], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            self._collect()
+        return self.returncode  # type: ignore[return-value]
+
+    def _collect(self) -> None:
+        data = b""
+        while chunk := os.read(self._status, 64):
+            data += chunk
+        os.close(self._status)
+        self.returncode = int(data) if data.strip() else -9  # no code: its init was killed
+
+
+def use_fork_server() -> bool:
+    return get_settings().sandbox_fork_server and os.geteuid() == 0
 
 
 class BwrapSandbox(ServerSandbox):
@@ -187,6 +372,41 @@ class BwrapSandbox(ServerSandbox):
         assert self.socket_dir is not None
         give_to(self.socket_dir, self._lease.uid)
         give_to(self.spec.workspace, self._lease.uid)
+
+    def _spawn(self) -> None:
+        if not use_fork_server():
+            return super()._spawn()
+        self._make_socket_dir()
+        self._prepare()
+        assert self._lease is not None
+        spec = self.spec
+        request = {"mounts": fork_mount_plan(spec, self.socket_dir or ""), "env": self.sandbox_env(),
+                   "tools": list(spec.tools), "memory_mb": spec.memory_mb, "cpu_time_s": spec.cpu_time_s,
+                   "max_procs": spec.max_procs, "user": f"{self._lease.uid}:{self._lease.uid}",
+                   "workspace": INNER_WORKSPACE, "script": list(spec.script)}
+        status_read, status_write = os.pipe()
+        if spec.script:
+            ours, channel = os.pipe()
+            stdout: Any = os.fdopen(ours, "rb", buffering=0)
+        else:
+            ours_socket, theirs = socket.socketpair()
+            channel, stdout = theirs.detach(), None
+        try:
+            with open(self._log_path or "", "ab") as log:
+                pid = _fork_server.spawn(request, [channel, log.fileno(), status_write])
+        except BaseException:
+            os.close(status_read)
+            if stdout is not None:
+                stdout.close()
+            else:
+                ours_socket.close()
+            raise
+        finally:
+            os.close(channel)
+            os.close(status_write)
+        self.process = Forked(pid, status_read, stdout)  # type: ignore[assignment]
+        if not spec.script:
+            self._client = ActionClient.over(ours_socket)
 
     def _launch(self) -> tuple[list[str], dict[str, Any]]:
         assert self.socket_dir is not None

@@ -62,9 +62,15 @@ def run_script(argv: list[str] | None = None) -> None:
     os.umask(0o022)
     if options["workspace"]:
         os.chdir(options["workspace"])
+    sys.exit(run(script))
+
+
+def run(script: list[str]) -> int:
+    """Run a Python script (``*.py``) in this interpreter and return 0, or exec any other program."""
     if not script[0].endswith(".py"):
         os.execvp(script[0], script)
     import runpy
 
-    sys.argv = script
+    sys.argv = list(script)
     runpy.run_path(script[0], run_name="__main__")
+    return 0

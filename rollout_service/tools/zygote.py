@@ -1,0 +1,233 @@
+"""The sandbox fork server: one per worker process, itself inside bubblewrap, that forks sandboxes.
+
+Booting a sandbox as its own ``bwrap`` + Python cost ~36 ms of CPU (bwrap's ~20 mounts, a Python
+start, the server's imports), and a grader as much again. This process pays that once: it runs in
+one bwrap (the host read-only, no network, its own /tmp), has the action server and the grader's
+modules imported, and for each request forks:
+
+    C   (its child)  setsid, dies with this server, unshares mount/pid/net/ipc/uts namespaces
+    P1  (pid 1)      the sandbox's init: mounts a fresh /tmp, /dev/shm, /run, /proc and /dev/pts,
+                     binds the workspace and the socket directory, brings loopback up, then reaps
+    P2               limits, switches to the sandbox's own uid (all capabilities go), serves the
+                     tools on the socket it was handed, or runs a one-shot script
+
+Killing C's process tree (or P1) ends the sandbox: when P1 dies, the kernel kills everything in
+its pid namespace. Untrusted code never runs in this process's image: bash, the IPython kernel
+and graded code are exec'd, so nothing of other sandboxes' requests can be read from memory.
+
+Requests come on a SOCK_SEQPACKET socket (``--control-fd``): one JSON object and three file descriptors
+(the channel: a socket to serve or the script's stdout; a log for stderr; a pipe P1 writes
+P2's exit code to). The answer is ``{"pid": C}`` or ``{"error": ...}``. Run as root only.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import traceback
+
+import runpy  # noqa: F401  (what one-shot graders use, imported once here instead of in every sandbox)
+import subprocess  # noqa: F401
+import time  # noqa: F401
+
+from rollout_service.tools import action_server, bash, confine  # noqa: F401
+
+CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+MAX_REQUEST_BYTES = 1 << 20
+MAX_FD = 1 << 20
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    encode = lambda text: text.encode() if text is not None else None  # noqa: E731
+    _check(_libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)), f"mount {target}")
+
+
+def _die_with_parent() -> None:
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+
+
+def apply_mounts(operations: list) -> None:
+    """Run the mount plan the worker computed (``rollout_service.sandbox.bwrap.fork_mount_plan``)."""
+    for operation in operations:
+        kind, target = operation[0], operation[-1]
+        if kind == "private":
+            _mount(None, target, None, MS_REC | MS_PRIVATE)
+        elif kind == "tmpfs":
+            _, size, mode, _ = operation
+            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode={mode}")
+        elif kind == "dir":
+            os.makedirs(target, mode=0o755, exist_ok=True)
+        elif kind in ("bind", "ro-bind"):
+            _mount(operation[1], target, None, MS_BIND | MS_REC)
+            if kind == "ro-bind":
+                _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        elif kind == "proc":
+            _mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        elif kind == "devpts":
+            _mount("devpts", target, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
+        elif kind == "detach":
+            _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
+        else:
+            raise ValueError(f"unknown mount operation {operation!r}")
+
+
+def loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        flags = struct.unpack("16sH", fcntl.ioctl(probe, SIOCGIFFLAGS, struct.pack("16sH", b"lo", 0)))[1]
+        fcntl.ioctl(probe, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
+
+
+def sandboxed(request: dict, channel: int, log: int) -> None:
+    """P2: confine this process, then serve the tools on ``channel`` or run the script. Never returns."""
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(log, 2)
+        if request["script"]:
+            os.dup2(channel, 1)
+            os.closerange(3, MAX_FD)
+        else:
+            os.dup2(devnull, 1)
+            os.dup2(channel, 3)
+            os.set_inheritable(3, False)
+            os.closerange(4, MAX_FD)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        confine.apply_limits(request["memory_mb"], request["cpu_time_s"], request["max_procs"])
+        if request["user"]:
+            confine.drop_privileges(request["user"])
+        _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        os.umask(0o022)
+        os.chdir(request["workspace"])
+        if request["script"]:
+            code = confine.run(request["script"])
+        else:
+            toolbox = action_server.Toolbox(request["workspace"], dict(os.environ), request["tools"])
+            action_server.serve_connection(socket.socket(fileno=3), toolbox)
+            code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            sys.stderr.write(f"{exc.code}\n")
+    except BaseException:
+        traceback.print_exc()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def init(request: dict, channel: int, log: int, status: int) -> None:
+    """P1, pid 1 of the sandbox: set up its file system and network, start P2, reap. Never returns."""
+    try:
+        _die_with_parent()
+        apply_mounts(request["mounts"])
+        socket.sethostname("sandbox")
+        loopback_up()
+        server = os.fork()
+        if server == 0:
+            os.close(status)
+            sandboxed(request, channel, log)
+        os.close(channel)
+        os.close(log)
+        while True:
+            pid, wait_status = os.wait()
+            if pid == server:
+                os.write(status, str(os.waitstatus_to_exitcode(wait_status)).encode())
+                os._exit(0)
+    except BaseException:
+        os.write(log, traceback.format_exc().encode())
+        os._exit(1)
+
+
+def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int) -> int:
+    """Fork C for ``request``; returns its pid here, in the server."""
+    me = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    channel, log, status = fds
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        _die_with_parent()
+        if os.getppid() != me:
+            os._exit(1)
+        control.close()
+        _check(_libc.unshare(namespaces), "unshare")
+        sandbox_init = os.fork()
+        if sandbox_init == 0:
+            init(request, channel, log, status)
+        for fd in fds:
+            os.close(fd)
+        os.waitpid(sandbox_init, 0)
+        os._exit(0)
+    except BaseException:
+        os.write(log, traceback.format_exc().encode())
+        os._exit(1)
+
+
+def reap(*_: object) -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def supported_namespaces() -> int:
+    """Every namespace the sandbox gets; the cgroup one only where the kernel has it."""
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    return flags | CLONE_NEWCGROUP if os.path.exists("/proc/self/ns/cgroup") else flags
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "--control-fd" or not argv[1].isdigit():
+        raise SystemExit("usage: zygote --control-fd FD (a SOCK_SEQPACKET socket to the worker)")
+    control = socket.socket(fileno=int(argv[1]))
+    signal.signal(signal.SIGCHLD, reap)
+    namespaces = supported_namespaces()
+    os.write(1, b"ready\n")
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 3)
+        except OSError:
+            return
+        if not message:
+            return
+        try:
+            if len(fds) != 3:
+                raise ValueError(f"a request needs 3 file descriptors, got {len(fds)}")
+            answer = {"pid": spawn(json.loads(message), fds, control, namespaces)}
+        except Exception as exc:
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        control.send(json.dumps(answer).encode())
+
+
+if __name__ == "__main__":
+    main()
