@@ -54,6 +54,10 @@ def command_of(pid: int) -> str:
         return ""
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def wait_until(condition: Callable[[], object], timeout_s: float = 3.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -61,6 +65,15 @@ def wait_until(condition: Callable[[], object], timeout_s: float = 3.0) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+@pytest.fixture(autouse=True, params=["forked by the fork server", "a bwrap each"])
+def bwrap_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Every test runs both ways a bwrap sandbox starts as root (without root, always a bwrap each)."""
+    monkeypatch.setenv("ROLLOUT_SANDBOX_FORK_SERVER", "1" if request.param.startswith("forked") else "0")
+    get_settings.cache_clear()
+    yield request.param
+    get_settings.cache_clear()
 
 
 @pytest.fixture
@@ -72,9 +85,10 @@ def workspace(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def sandbox(workspace: Path) -> Iterator[ServerSandbox]:
+def sandbox(workspace: Path, bwrap_mode: str) -> Iterator[ServerSandbox]:
     box = create_sandbox("bwrap", SandboxSpec("job-test", str(workspace), tools=("bash", "editor", "finish")))
     box.start()
+    assert (type(box.process).__name__ == "Forked") == (bwrap_mode.startswith("forked") and os.geteuid() == 0)
     yield box
     box.stop()
 
@@ -194,8 +208,9 @@ def test_stop_kills_every_process_of_the_sandbox_even_detached_ones(workspace: P
 
 def test_execute_after_the_server_died_raises_sandbox_error(sandbox: ServerSandbox) -> None:
     assert bash(sandbox, "true")["exit_code"] == 0  # the shell is up: no forked child still looks like the server
-    server = [pid for pid in descendants(sandbox.process.pid) if command_of(pid).startswith(sys.executable) and "action_server" in command_of(pid)]
-    assert len(server) == 1
+    shells = [pid for pid in descendants(sandbox.process.pid) if command_of(pid).startswith("/usr/bin/bash")]
+    server = [parent_of(pid) for pid in shells]
+    assert len(server) == 1 and command_of(server[0]).startswith(sys.executable)
     os.kill(server[0], 9)
     assert wait_until(lambda: not alive(server))
     with pytest.raises(SandboxError, match="stopped answering"):
@@ -415,6 +430,9 @@ def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_w
         outputs = [s.execute("bash", {{"command": "echo $((6 * 7))"}}, 10)["output"].strip() for s in sandboxes]
         pids = [p for s in sandboxes for p in [s.process.pid, *descendants(s.process.pid)]]
         kinds = sorted({{type(s.process).__name__ for s in sandboxes}})
+        from rollout_service.sandbox.bwrap import _fork_server
+        if _fork_server._process is not None:
+            kinds.append("server: " + type(_fork_server._process).__name__)
         for s in sandboxes:
             s.stop()
         time.sleep(0.2)
@@ -425,7 +443,7 @@ def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_w
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["outputs"] == ["42"] * 4 and result["kinds"] == ["Spawned"]
+    assert result["outputs"] == ["42"] * 4 and result["kinds"] in (["Spawned"], ["Forked", "server: Spawned"])
     assert len(result["pids"]) > 4 and not alive(result["pids"]) and all(result["returncodes"])
 
 
@@ -460,3 +478,34 @@ def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(wo
     time.sleep(0.2)
     assert not [pid for pid in alive([box.process.pid]) if "sleep" in command_of(pid) or "bwrap" in command_of(pid)]
     assert not any("sleep 300" in command_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
+
+
+def test_forked_sandboxes_share_nothing_and_die_with_their_fork_server(tmp_path: Path, bwrap_mode: str) -> None:
+    if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
+        pytest.skip("the fork server serves root workers")
+    from rollout_service.sandbox.bwrap import HOST_VIEW, _fork_server
+
+    boxes = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        boxes.append(create_sandbox("bwrap", SandboxSpec(name, str(tmp_path / name), tools=("bash",))))
+        boxes[-1].start()
+    a, b = boxes
+    try:
+        bash(a, "echo secret > /tmp/note; echo mine > /workspace/a.txt; sleep 1000 &")
+        assert bash(b, "cat /tmp/note 2>&1")["output"] == "cat: /tmp/note: No such file or directory"
+        assert bash(b, "ls -A /workspace " + HOST_VIEW)["output"] == f"{HOST_VIEW}:\n\n/workspace:"
+        assert "sleep" not in bash(b, "ps -e -o comm")["output"]  # its own pid namespace
+        assert bash(b, "grep CapEff /proc/self/status")["output"].split() == ["CapEff:", "0000000000000000"]
+        assert bash(b, "id -u")["output"] != bash(a, "id -u")["output"]  # a uid each
+        pids = [a.process.pid, *descendants(a.process.pid)]
+        os.kill(_fork_server._process.pid, 9)  # the fork server dies: its sandboxes go with it
+        assert wait_until(lambda: not alive(pids)), alive(pids)
+        with pytest.raises(SandboxError):
+            bash(a, "echo hi")
+        (tmp_path / "c").mkdir()
+        with create_sandbox("bwrap", SandboxSpec("c", str(tmp_path / "c"), tools=("bash",))) as c:
+            assert bash(c, "echo started again")["output"] == "started again"
+    finally:
+        for box in boxes:
+            box.stop()

@@ -196,7 +196,7 @@ def tmp_size_bytes(spec: SandboxSpec) -> str:
     return str(max(spec.memory_mb, 64) * 1024 * 1024)
 
 
-def fork_server_argv(control_fd: int, hide: tuple[str, ...]) -> list[str]:
+def fork_server_argv(control_fd: int) -> list[str]:
     """The bwrap command of the fork server (``rollout_service.tools.zygote``): the sandboxes' layout
     (their own /tmp, /dev/shm, /run, /proc and /dev/pts are mounted per sandbox), no network, the host's
     root at HOST_VIEW to bind workspaces from, and the capabilities to make namespaces and mounts."""
@@ -205,18 +205,18 @@ def fork_server_argv(control_fd: int, hide: tuple[str, ...]) -> list[str]:
     argv += ["--cap-drop", "ALL"]
     for capability in FORK_SERVER_CAPS:
         argv += ["--cap-add", capability]
-    argv += _layout("1048576", hide, check_access=True)
+    argv += _layout("1048576", (), check_access=True)
     argv += ["--dir", INNER_WORKSPACE, "--bind", "/", HOST_VIEW, "--remount-ro", "/", "--hostname", "sandbox"]
     argv += ["--", sys.executable, "-I", "-S", "-c", FORK_SERVER_BOOTSTRAP.format(paths=host_import_paths()),
              "--control-fd", str(control_fd)]
     return argv
 
 
-def fork_mount_plan(spec: SandboxSpec, socket_dir: str) -> list[list[str]]:
+def fork_mount_plan(spec: SandboxSpec, socket_dir: str, hide: tuple[str, ...]) -> list[list[str]]:
     """What a forked sandbox's init mounts (``rollout_service.tools.zygote.apply_mounts``) to get what
     a sandbox of its own bwrap gets: a fresh /tmp, /dev/shm and /run (with the runtime bound back where
-    it lives under them), its workspace and socket directory, its own /proc and /dev/pts; then the
-    host's root is detached."""
+    it lives under them), an empty directory over each of ``hide``, its workspace and socket directory,
+    its own /proc and /dev/pts; then the host's root is detached."""
     size = tmp_size_bytes(spec)
     plan: list[list[str]] = [["private", "/"], ["tmpfs", size, "1777", "/tmp"], ["tmpfs", size, "1777", "/dev/shm"],
                              ["tmpfs", "1048576", "755", "/run"]]
@@ -230,6 +230,9 @@ def fork_mount_plan(spec: SandboxSpec, socket_dir: str) -> list[list[str]]:
                 made.add(str(directory))
                 plan.append(["dir", str(directory)])
         plan += [["dir", path], ["ro-bind", HOST_VIEW + path, path]]
+    for path in hide:
+        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in PRIVATE_PER_SANDBOX):
+            plan.append(["tmpfs", "4096", "755", path])
     plan += [["dir", INNER_SOCKET_DIR], ["bind", HOST_VIEW + os.path.realpath(socket_dir), INNER_SOCKET_DIR],
              ["bind", HOST_VIEW + os.path.realpath(spec.workspace), INNER_WORKSPACE],
              ["proc", "/proc"], ["devpts", "/dev/pts"], ["detach", HOST_VIEW]]
@@ -274,7 +277,7 @@ class ForkServer:
         self._log = os.path.join(tempfile_dir(), f"rollout-fork-server-{os.getpid()}.log")
         try:
             os.set_inheritable(theirs.fileno(), True)
-            argv = fork_server_argv(theirs.fileno(), (str(get_settings().state_path),))
+            argv = fork_server_argv(theirs.fileno())
             with open(self._log, "ab") as log:
                 if green_process():
                     self._process = Spawned(argv, log)
@@ -380,7 +383,8 @@ class BwrapSandbox(ServerSandbox):
         self._prepare()
         assert self._lease is not None
         spec = self.spec
-        request = {"mounts": fork_mount_plan(spec, self.socket_dir or ""), "env": self.sandbox_env(),
+        hide = (str(get_settings().state_path),)
+        request = {"mounts": fork_mount_plan(spec, self.socket_dir or "", hide), "env": self.sandbox_env(),
                    "tools": list(spec.tools), "memory_mb": spec.memory_mb, "cpu_time_s": spec.cpu_time_s,
                    "max_procs": spec.max_procs, "user": f"{self._lease.uid}:{self._lease.uid}",
                    "workspace": INNER_WORKSPACE, "script": list(spec.script)}

@@ -123,7 +123,9 @@ def sandboxed(request: dict, channel: int, log: int) -> None:
             code = confine.run(request["script"])
         else:
             toolbox = action_server.Toolbox(request["workspace"], dict(os.environ), request["tools"])
-            action_server.serve_connection(socket.socket(fileno=3), toolbox)
+            connection = socket.socket(fileno=3)
+            connection.setblocking(True)
+            action_server.serve_connection(connection, toolbox)
             code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 2 or argv[0] != "--control-fd" or not argv[1].isdigit():
         raise SystemExit("usage: zygote --control-fd FD (a SOCK_SEQPACKET socket to the worker)")
     control = socket.socket(fileno=int(argv[1]))
+    control.setblocking(True)  # a green worker's sockets come non-blocking
     signal.signal(signal.SIGCHLD, reap)
     namespaces = supported_namespaces()
     os.write(1, b"ready\n")
