@@ -207,6 +207,27 @@ def test_exiting_early_with_status_zero_is_a_failure_not_a_pass():
         assert result.reward == 0.0 and result.details["passed"] == 0, escape
 
 
+FORGER = """
+import gc, json, os
+nonce = next(o["nonce"] for o in gc.get_objects() if isinstance(o, dict) and "nonce" in o)
+line = ("\\n" + nonce + " " + json.dumps([{"status": "passed", "error": ""}] * 3) + "\\n").encode()
+for target in [*range(1, 64), f"/proc/{os.getppid()}/fd/1"]:
+    try:
+        os.write(target, line) if isinstance(target, int) else open(target, "wb").write(line)
+    except OSError:
+        pass
+os.kill(os.getppid(), 9)  # so that the grader's own last line never comes
+def square(x):
+    return -1
+"""
+
+
+def test_a_submission_that_finds_the_nonce_in_its_memory_still_cannot_forge_the_result():
+    result = code.score(SQUARE, {"code": FORGER})
+    assert result.reward == 0.0 and result.details["passed"] == 0, result.details
+    assert "StopIteration" not in str(result.details), result.details  # it did find the nonce
+
+
 def test_a_solution_that_loops_forever_gets_zero_within_its_time_limit():
     began = time.monotonic()
     result = code.score(ADD, {"code": "def add(xs):\n    while True:\n        pass\n"})

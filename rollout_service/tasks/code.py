@@ -177,14 +177,14 @@ def run_hidden_tests(program: str, tests: list[str], per_test_s: float,
     """Per-test results from a fresh sandbox, and an error when the grader gave no result."""
     budget_s = get_settings().eval_timeout_s
     nonce = secrets.token_hex(16)
-    # This host's Python starts the tests without ``site`` (-S: 9 ms instead of 23 ms per test), and
-    # gives them its site-packages on sys.path all the same; an image's own python3 runs its site.
-    flags, paths = (["-I", "-S"], site.getsitepackages()) if image is None else (["-I"], [])
+    # The grader runs on this host's Python without ``site``; its forked tests get its site-packages on
+    # sys.path all the same. An image's own python3 runs its site.
+    paths = site.getsitepackages() if image is None else []
     with grading_workspace("code") as workspace:
         (workspace / "grader.py").write_text(RUNNER.read_text())
         (workspace / "grading.json").write_text(json.dumps(
             {"program": program, "tests": tests, "timeout_s": per_test_s, "budget_s": budget_s, "nonce": nonce,
-             "python_flags": flags, "site_paths": paths}))
+             "site_paths": paths}))
         _, output = grading_run(workspace, image, budget_s, ("/workspace/grader.py", "/workspace/grading.json"))
     results = tagged_json(output, nonce)
     if not isinstance(results, list) or len(results) != len(tests):

@@ -3,9 +3,11 @@
     python code_runner.py /workspace/grading.json
 
 ``grading.json`` is ``{"program", "tests": [...], "timeout_s", "budget_s", "nonce"}``; the
-runner reads it and deletes it (and itself) before any submitted code runs, so that code
-cannot learn the nonce. Each test runs in its own child process and new session: the
-program, then the test, then the child writes a fresh per-test token. A test passes only if
+runner reads it and deletes it (and itself) before any submitted code runs. Each test runs in
+a forked child in a new session, with nothing open but its own output files: the nonce is in
+its memory, but the result pipe is closed in it and the runner cannot be inspected
+(PR_SET_DUMPABLE 0), so it cannot print the last line. The child runs the program, then the
+test, then writes a fresh per-test token. A test passes only if
 the child exits 0 *and* wrote its token, so ``sys.exit(0)`` or ``os._exit(0)`` in the
 submission is a failure, not a pass. A child past its time is killed with its process group.
 The last line printed is ``<nonce> <json list of {"status", "error"}>``.
@@ -15,27 +17,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 STDERR_TAIL_BYTES = 2000
 ERROR_CHARS = 160
 
-CHILD = r"""
-import json, os, sys
-def _run():
-    payload = json.loads(sys.stdin.read())
-    sys.path.extend(payload.pop("site_paths"))
-    token = payload.pop("token")
-    namespace = {"__name__": "solution", "__builtins__": __builtins__}
-    exec(compile(payload["program"], "solution.py", "exec"), namespace)
-    exec(compile(payload["test"], "test.py", "exec"), namespace)
-    os.write(1, ("\n" + token + "\n").encode())
-_run()
-"""
-
-
+MAX_FD = 1 << 20
 def forbid_inspection() -> None:
     """Other processes of this uid may not read our memory (where the nonce lives)."""
     try:
@@ -58,34 +46,95 @@ def last_error_line(stderr: bytes) -> str:
     return lines[-1].strip()[:ERROR_CHARS] if lines else ""
 
 
-def run_test(program: str, test: str, timeout_s: float, scratch: str, python_flags: list, site_paths: list) -> dict:
+def run_test(program: str, test: str, timeout_s: float, scratch: str, site_paths: list) -> dict:
     token = os.urandom(16).hex()
     out_path, err_path = os.path.join(scratch, "out"), os.path.join(scratch, "err")
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        child = subprocess.Popen([sys.executable, *python_flags, "-c", CHILD], stdin=subprocess.PIPE, stdout=out,
-                                 stderr=err, cwd=scratch, start_new_session=True)
+    out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    sys.stdout.flush()
+    child = os.fork()
+    if child == 0:
+        run_child(program, test, token, out, err, scratch, site_paths)
+    os.close(out)
+    os.close(err)
+    code = None
     try:
-        try:
-            child.stdin.write(json.dumps({"program": program, "test": test, "token": token,
-                                          "site_paths": site_paths}).encode())
-            child.stdin.close()
-        except BrokenPipeError:
-            pass
-        child.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "error": f"did not finish within {timeout_s:g} s"}
+        code = wait_for(child, timeout_s)
     finally:
         try:
-            os.killpg(child.pid, signal.SIGKILL)
+            os.killpg(child, signal.SIGKILL)
         except OSError:
             pass
-        child.wait()
-    if child.returncode == 0 and tail(out_path, 64).rstrip(b"\n").endswith(token.encode()):
+        if code is None:
+            os.waitpid(child, 0)
+    if code is None:
+        return {"status": "timeout", "error": f"did not finish within {timeout_s:g} s"}
+    if code == 0 and tail(out_path, 64).rstrip(b"\n").endswith(token.encode()):
         return {"status": "passed", "error": ""}
     error = last_error_line(tail(err_path, STDERR_TAIL_BYTES))
-    if child.returncode < 0:
-        error = error or f"killed by signal {-child.returncode}"
-    return {"status": "failed", "error": error or f"exited with code {child.returncode} before the test finished"}
+    if code < 0:
+        error = error or f"killed by signal {-code}"
+    return {"status": "failed", "error": error or f"exited with code {code} before the test finished"}
+
+
+def run_child(program: str, test: str, token: str, out: int, err: int, scratch: str, site_paths: list) -> None:
+    """In a forked child, in its own session: the program, then the test, then the token. Its output
+    goes to files; every other descriptor (the grader's result pipe among them) is closed first."""
+    code = 1
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.closerange(3, MAX_FD)
+        os.chdir(scratch)
+        sys.path.extend(site_paths)
+        sys.argv = ["solution.py"]
+        namespace = {"__name__": "solution", "__builtins__": __builtins__}
+        exec(compile(program, "solution.py", "exec"), namespace)
+        exec(compile(test, "test.py", "exec"), namespace)
+        sys.stdout.flush()
+        os.write(1, ("\n" + token + "\n").encode())
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def wait_for(pid: int, timeout_s: float) -> "int | None":
+    """The exit code of child ``pid`` (negative: the signal), or None if it runs past ``timeout_s``."""
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        exited = os.pidfd_open(pid)  # readable once the child exited
+    except (AttributeError, OSError):  # Linux < 5.3: poll
+        exited = None
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if exited is not None:
+                select.select([exited], [], [], remaining)
+            else:
+                time.sleep(min(0.005, remaining))
+    finally:
+        if exited is not None:
+            os.close(exited)
 
 
 def remove_tree(path: str) -> None:
@@ -127,7 +176,7 @@ def main(payload_path: str) -> None:
         os.mkdir(scratch, 0o700)
         try:
             results.append(run_test(payload["program"], test, min(float(payload["timeout_s"]), remaining),
-                                    scratch, payload.get("python_flags", ["-I"]), payload.get("site_paths", [])))
+                                    scratch, payload.get("site_paths", [])))
         finally:
             remove_tree(scratch)
     print(f"\n{payload['nonce']} {json.dumps(results)}", flush=True)

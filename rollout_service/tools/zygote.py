@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import signal
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: zygote --control-fd FD (a SOCK_SEQPACKET socket to the worker)")
     control = socket.socket(fileno=int(argv[1]))
     control.setblocking(True)  # a green worker's sockets come non-blocking
+    gc.freeze()  # a collection in a forked child would otherwise write to, and so copy, every page
     signal.signal(signal.SIGCHLD, reap)
     namespaces = supported_namespaces()
     os.write(1, b"ready\n")
