@@ -19,7 +19,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Optional
 

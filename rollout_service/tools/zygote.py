@@ -32,7 +32,8 @@ import struct
 import sys
 import traceback
 
-import runpy  # noqa: F401  (what one-shot graders use, imported once here instead of in every sandbox)
+import runpy  # noqa: F401  (what sandboxes use, imported once here instead of in every sandbox)
+import select  # noqa: F401
 import subprocess  # noqa: F401
 import time  # noqa: F401
 
