@@ -5,19 +5,20 @@ start, the server's imports), and a grader as much again. This process pays that
 one bwrap (the host read-only, no network, its own /tmp), has the action server and the grader's
 modules imported, and for each request forks:
 
-    C   (its child)  setsid, dies with this server, unshares mount/pid/net/ipc/uts namespaces
-    P1  (pid 1)      the sandbox's init: mounts a fresh /tmp, /dev/shm, /run, /proc and /dev/pts,
-                     binds the workspace and the socket directory, brings loopback up, then reaps
+    P1  (pid 1)      its child, born in a new pid namespace: setsid, dies with this server,
+                     unshares mount/net/ipc/uts namespaces, mounts a fresh /tmp, /dev/shm, /run,
+                     /proc and /dev/pts, binds the workspace and the socket directory, brings
+                     loopback up, then reaps
     P2               limits, switches to the sandbox's own uid (all capabilities go), serves the
                      tools on the socket it was handed, or runs a one-shot script
 
-Killing C's process tree (or P1) ends the sandbox: when P1 dies, the kernel kills everything in
+Killing P1 ends the sandbox: when P1 dies, the kernel kills everything in
 its pid namespace. Untrusted code never runs in this process's image: bash, the IPython kernel
 and graded code are exec'd, so nothing of other sandboxes' requests can be read from memory.
 
 Requests come on a SOCK_SEQPACKET socket (``--control-fd``): one JSON object and three file descriptors
 (the channel: a socket to serve or the script's stdout; a log for stderr; a pipe P1 writes
-P2's exit code to). The answer is ``{"pid": C}`` or ``{"error": ...}``. Run as root only.
+P2's exit code to). The answer is ``{"pid": P1}`` or ``{"error": ...}``. Run as root only.
 """
 from __future__ import annotations
 
@@ -145,7 +146,6 @@ def sandboxed(request: dict, channel: int, log: int) -> None:
 def init(request: dict, channel: int, log: int, status: int) -> None:
     """P1, pid 1 of the sandbox: set up its file system and network, start P2, reap. Never returns."""
     try:
-        _die_with_parent()
         apply_mounts(request["mounts"])
         socket.sethostname("sandbox")
         loopback_up()
@@ -165,28 +165,26 @@ def init(request: dict, channel: int, log: int, status: int) -> None:
         os._exit(1)
 
 
-def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int) -> int:
-    """Fork C for ``request``; returns its pid here, in the server."""
-    me = os.getpid()
-    pid = os.fork()
-    if pid:
+def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int, own_pid_namespace: int) -> int:
+    """Fork P1 for ``request`` as pid 1 of a new pid namespace; returns its pid here, in the server."""
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # for the next child only
+    try:
+        pid = os.fork()
+    except BaseException:
+        _check(_libc.setns(own_pid_namespace, CLONE_NEWPID), "setns")
+        raise
+    if pid:  # back to forking into our own pid namespace, so that the next unshare works
+        _check(_libc.setns(own_pid_namespace, CLONE_NEWPID), "setns")
         return pid
     channel, log, status = fds
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
         _die_with_parent()
-        if os.getppid() != me:
-            os._exit(1)
         control.close()
+        os.close(own_pid_namespace)
         _check(_libc.unshare(namespaces), "unshare")
-        sandbox_init = os.fork()
-        if sandbox_init == 0:
-            init(request, channel, log, status)
-        for fd in fds:
-            os.close(fd)
-        os.waitpid(sandbox_init, 0)
-        os._exit(0)
+        init(request, channel, log, status)
     except BaseException:
         os.write(log, traceback.format_exc().encode())
         os._exit(1)
@@ -201,8 +199,9 @@ def reap(*_: object) -> None:
 
 
 def supported_namespaces() -> int:
-    """Every namespace the sandbox gets; the cgroup one only where the kernel has it."""
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    """Every namespace the sandbox's init unshares (its pid namespace it is born in); the cgroup one
+    only where the kernel has it."""
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     return flags | CLONE_NEWCGROUP if os.path.exists("/proc/self/ns/cgroup") else flags
 
 
@@ -215,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()  # a collection in a forked child would otherwise write to, and so copy, every page
     signal.signal(signal.SIGCHLD, reap)
     namespaces = supported_namespaces()
+    own_pid_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     os.write(1, b"ready\n")
     while True:
         try:
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if len(fds) != 3:
                 raise ValueError(f"a request needs 3 file descriptors, got {len(fds)}")
-            answer = {"pid": spawn(json.loads(message), fds, control, namespaces)}
+            answer = {"pid": spawn(json.loads(message), fds, control, namespaces, own_pid_namespace)}
         except Exception as exc:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
