@@ -36,7 +36,7 @@ from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading
 
 SOLUTION_FILE = "solution.py"
 MAX_CODE_BYTES = 1024 * 1024
-RUNNER = Path(__file__).with_name("code_runner.py")
+RUNNER = "module:rollout_service.tools.code_runner"  # stdlib only; preloaded by the sandbox fork server
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _FILE_REFERENCE = re.compile(r"^[\w./-]+\.py$")
 _IMPORT_LINE = re.compile(r"^(?:import|from)\s+\S.*$", re.MULTILINE)
@@ -181,11 +181,10 @@ def run_hidden_tests(program: str, tests: list[str], per_test_s: float,
     # sys.path all the same. An image's own python3 runs its site.
     paths = site.getsitepackages() if image is None else []
     with grading_workspace("code") as workspace:
-        (workspace / "grader.py").write_text(RUNNER.read_text())
         (workspace / "grading.json").write_text(json.dumps(
             {"program": program, "tests": tests, "timeout_s": per_test_s, "budget_s": budget_s, "nonce": nonce,
              "site_paths": paths}))
-        _, output = grading_run(workspace, image, budget_s, ("/workspace/grader.py", "/workspace/grading.json"))
+        _, output = grading_run(workspace, image, budget_s, (RUNNER, "/workspace/grading.json"))
     results = tagged_json(output, nonce)
     if not isinstance(results, list) or len(results) != len(tests):
         tail = output[-500:]

@@ -65,12 +65,27 @@ def run_script(argv: list[str] | None = None) -> None:
     sys.exit(run(script))
 
 
+MODULE_PREFIX = "module:"
+
+
+def runs_in_process(script: list[str]) -> bool:
+    """Whether ``run`` runs ``script`` in this interpreter (a Python file or module) or execs it."""
+    return script[0].endswith(".py") or script[0].startswith(MODULE_PREFIX)
+
+
 def run(script: list[str]) -> int:
-    """Run a Python script (``*.py``) in this interpreter and return 0, or exec any other program."""
-    if not script[0].endswith(".py"):
+    """Run ``script``: a Python file (``*.py``) or ``module:NAME`` (``NAME.main(*arguments)``, with the
+    module imported as usual, so a server that preloaded it pays nothing) in this interpreter, and
+    return 0; anything else is exec'd in place of this process."""
+    if not runs_in_process(script):
         os.execvp(script[0], script)
+    sys.argv = list(script)
+    if script[0].startswith(MODULE_PREFIX):
+        import importlib
+
+        importlib.import_module(script[0][len(MODULE_PREFIX):]).main(*script[1:])
+        return 0
     import runpy
 
-    sys.argv = list(script)
     runpy.run_path(script[0], run_name="__main__")
     return 0

@@ -10,7 +10,8 @@ modules imported, and for each request forks:
                      /proc and /dev/pts, binds the workspace and the socket directory, brings
                      loopback up, then reaps
     P2               limits, switches to the sandbox's own uid (all capabilities go), serves the
-                     tools on the socket it was handed, or runs a one-shot script
+                     tools on the socket it was handed, or execs a one-shot program; a one-shot
+                     Python script or module P1 runs itself, confined the same way
 
 Killing P1 ends the sandbox: when P1 dies, the kernel kills everything in
 its pid namespace. Untrusted code never runs in this process's image: bash, the IPython kernel
@@ -38,7 +39,7 @@ import select  # noqa: F401
 import subprocess  # noqa: F401
 import time  # noqa: F401
 
-from rollout_service.tools import action_server, bash, confine  # noqa: F401
+from rollout_service.tools import action_server, bash, code_runner, confine  # noqa: F401
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
@@ -99,21 +100,20 @@ def loopback_up() -> None:
         fcntl.ioctl(probe, SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | IFF_UP))
 
 
-def sandboxed(request: dict, channel: int, log: int) -> None:
-    """P2: confine this process, then serve the tools on ``channel`` or run the script. Never returns."""
+def sandboxed(request: dict, channel: int, log: int, status: int = -1) -> int:
+    """Confine this process, then serve the tools on ``channel`` or run the script; returns the exit
+    code. ``status`` (a script run by the init itself) is kept open, as fd 3."""
     code = 1
     try:
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
         os.dup2(log, 2)
-        if request["script"]:
-            os.dup2(channel, 1)
-            os.closerange(3, MAX_FD)
-        else:
-            os.dup2(devnull, 1)
-            os.dup2(channel, 3)
+        os.dup2(channel if request["script"] else devnull, 1)
+        kept = channel if not request["script"] else status
+        if kept >= 0:
+            os.dup2(kept, 3)
             os.set_inheritable(3, False)
-            os.closerange(4, MAX_FD)
+        os.closerange(4 if kept >= 0 else 3, MAX_FD)
         os.environ.clear()
         os.environ.update(request["env"])
         confine.apply_limits(request["memory_mb"], request["cpu_time_s"], request["max_procs"])
@@ -139,20 +139,26 @@ def sandboxed(request: dict, channel: int, log: int) -> None:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-    finally:
-        os._exit(code)
+    except BaseException:
+        pass
+    return code
 
 
 def init(request: dict, channel: int, log: int, status: int) -> None:
-    """P1, pid 1 of the sandbox: set up its file system and network, start P2, reap. Never returns."""
+    """P1, pid 1 of the sandbox: set up its file system and network, then run a Python script
+    itself, or start P2 (the tool server, or a program that replaces it) and reap. Never returns."""
     try:
         apply_mounts(request["mounts"])
         socket.sethostname("sandbox")
         loopback_up()
+        if request["script"] and confine.runs_in_process(request["script"]):
+            code = sandboxed(request, channel, log, status)
+            os.write(3, str(code).encode())
+            os._exit(code)
         server = os.fork()
         if server == 0:
             os.close(status)
-            sandboxed(request, channel, log)
+            os._exit(sandboxed(request, channel, log))
         os.close(channel)
         os.close(log)
         while True:

@@ -1,9 +1,9 @@
 """Runs hidden tests against a code submission, inside a grading sandbox. Stdlib only.
 
-    python code_runner.py /workspace/grading.json
+    SandboxSpec(script=("module:rollout_service.tools.code_runner", "/workspace/grading.json"))
 
 ``grading.json`` is ``{"program", "tests": [...], "timeout_s", "budget_s", "nonce"}``; the
-runner reads it and deletes it (and itself) before any submitted code runs. Each test runs in
+runner reads it and deletes it before any submitted code runs. Each test runs in
 a forked child in a new session, with nothing open but its own output files: the nonce is in
 its memory, but the result pipe is closed in it and the runner cannot be inspected
 (PR_SET_DUMPABLE 0), so it cannot print the last line. The child runs the program, then the
@@ -161,10 +161,6 @@ def main(payload_path: str) -> None:
     with open(payload_path) as f:
         payload = json.load(f)
     os.unlink(payload_path)
-    try:
-        os.unlink(os.path.abspath(__file__))
-    except OSError:
-        pass
     deadline = time.monotonic() + float(payload["budget_s"])
     results = []
     for test in payload["tests"]:
