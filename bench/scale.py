@@ -7,8 +7,8 @@ waits for them. Tools: ``finish`` only (no sandbox), or with ``--sandbox`` a bwr
 rollout and a ``bash`` command every turn (code domain, graded in a fresh sandbox).
 
 Reports wall time against the ideal (T x delay), per-turn service overhead from the
-trajectories (run-stage time not spent in the LLM server's delay, a tool or the sandbox boot,
-per LLM call), queue wait (submit to init start, and all waits between stages), failures,
+trajectories (run-stage time not spent in the LLM server's delay, a tool or waiting for the
+sandbox to boot, per LLM call), queue wait (submit to init start, and all waits between stages), failures,
 the time to fetch every trajectory, and peak RSS of the service per in-flight rollout.
 
     .venv/bin/python bench/scale.py --rollouts 1000 --turns 4 --delay-s 1 [--sandbox] [--json]
@@ -300,8 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         calls = [t for t in trajectory.turns if t.kind == "generation"]
         tool_s = sum(t.latency_s for t in trajectory.turns if t.kind == "observation")
-        boot_s = view.timings.sandbox_boot_s or 0.0
-        overheads.append((view.timings.run_s - boot_s - tool_s) / len(calls) - args.delay_s)
+        waited_s = getattr(view.timings, "sandbox_wait_s", None)  # the boot overlaps the first call
+        waited_s = view.timings.sandbox_boot_s or 0.0 if waited_s is None else waited_s
+        overheads.append((view.timings.run_s - waited_s - tool_s) / len(calls) - args.delay_s)
         call_excess.extend(t.latency_s - args.delay_s for t in calls[1:])
         first_excess.extend(t.latency_s - args.delay_s for t in calls[:1])
         queued.append(view.timings.waits_s.get("init", 0.0))  # the "queued": submit to init start

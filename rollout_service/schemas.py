@@ -154,7 +154,8 @@ class Timings(BaseModel):
     init_s: Optional[float] = None
     run_s: Optional[float] = None
     eval_s: Optional[float] = None
-    sandbox_boot_s: Optional[float] = Field(None, description="part of run_s: booting the sandbox")
+    sandbox_boot_s: Optional[float] = Field(None, description="booting the sandbox (while the first LLM call runs)")
+    sandbox_wait_s: Optional[float] = Field(None, description="part of run_s: the episode waiting for its sandbox")
 
 
 class JobView(BaseModel):

@@ -36,7 +36,7 @@ FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"  # pub/sub: a job id each time a jo
 STAGES = ("init", "run", "eval")
 TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 VIEW_FIELDS = ("status", "group_id", "batch_id", "created_at", "init_start", "init_end", "run_start",
-               "run_end", "eval_start", "eval_end", "sandbox_boot_s", "reward", "finish_reason",
+               "run_end", "eval_start", "eval_end", "sandbox_boot_s", "sandbox_wait_s", "reward", "finish_reason",
                "error_code", "error_message", "backend_id", "attempts_init", "attempts_run",
                "attempts_eval", "metadata")
 
@@ -609,6 +609,7 @@ def _job_view(job_id: str, f: dict[str, Optional[str]], result: Any) -> JobView:
         run_s=_span(t["run_start"], t["run_end"]),
         eval_s=_span(t["eval_start"], t["eval_end"]),
         sandbox_boot_s=_float(f.get("sandbox_boot_s")),
+        sandbox_wait_s=_float(f.get("sandbox_wait_s")),
     )
     error = ErrorInfo(code=f["error_code"], message=f.get("error_message") or "") if f.get("error_code") else None
     return JobView(

@@ -509,3 +509,20 @@ def test_forked_sandboxes_share_nothing_and_die_with_their_fork_server(tmp_path:
     finally:
         for box in boxes:
             box.stop()
+
+
+def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_call(workspace: Path,
+                                                                                   tmp_path: Path) -> None:
+    from rollout_service.sandbox.base import BackgroundStart
+
+    starting = BackgroundStart(create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))))
+    try:
+        assert starting.execute("bash", {"command": "echo ready"}, 10)["output"] == "ready"
+        assert 0 < starting.waited_s < starting.sandbox.boot_s + 0.05  # the call waited for the boot, no longer
+    finally:
+        starting.stop()
+    assert starting.sandbox.process.poll() is not None
+    broken = BackgroundStart(create_sandbox("bwrap", SandboxSpec("j", str(tmp_path / "missing"), tools=("bash",))))
+    with pytest.raises(SandboxError, match="init stage must create it"):  # raised where the sandbox is used
+        broken.execute("bash", {"command": "true"}, 10)
+    broken.stop()

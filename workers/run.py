@@ -12,6 +12,7 @@ from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
+from rollout_service.sandbox.base import BackgroundStart
 from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
@@ -98,16 +99,14 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
         llm.first_call = first_call.pop() if first_call else None  # released with the job's backend if unused
         if needs_sandbox(tools, harness):
             Path(prepared.workspace).mkdir(parents=True, exist_ok=True)  # a handler that writes none leaves it to us
-            sandbox = create_sandbox(settings.sandbox, SandboxSpec(
+            sandbox = BackgroundStart(create_sandbox(settings.sandbox, SandboxSpec(
                 job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
                 max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60),
-                store.redis)
-            sandbox.start()
-            store.set_fields(job_id, sandbox_boot_s=sandbox.boot_s)
+                store.redis))
             agent.executor = sandbox
         if session is not None:
-            episode = run_harness(sandbox, session, harness, prepared.messages, ctx.deadline_at,
+            episode = run_harness(sandbox.ready(), session, harness, prepared.messages, ctx.deadline_at,
                                   lambda: store.cancel_requested(job_id))
         else:
             episode = agent.run(prepared.prompt_ids, prepared.messages)
@@ -125,7 +124,10 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
             sandbox.stop()
         llm.release()
     trajectory = episode.trajectory
-    record_episode(store.redis, trajectory, sandbox.boot_s if sandbox is not None else None)
+    boot_s = sandbox.sandbox.boot_s if sandbox is not None else None
+    record_episode(store.redis, trajectory, boot_s)
+    if sandbox is not None:
+        ctx.end_fields.update(sandbox_boot_s=boot_s, sandbox_wait_s=sandbox.waited_s)
     ctx.results.update(trajectory=trajectory.model_dump(mode="json"), artifact=artifact)
     ctx.end_fields.update(finish_reason=trajectory.finish_reason.value, backend_id=next(
         (t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None))

@@ -93,6 +93,43 @@ class ActionClient:
         self._sock.close()
 
 
+class BackgroundStart:
+    """A sandbox starting in a thread of its own while the episode goes on (its first step is an
+    LLM call, which does not need it): a tool call waits for the start, and raises its error."""
+
+    def __init__(self, sandbox: "ServerSandbox") -> None:
+        self.sandbox = sandbox
+        self.waited_s = 0.0
+        self._error: Optional[BaseException] = None
+        self._started = threading.Event()
+        threading.Thread(target=self._start, name=f"start-{sandbox.sandbox_id}", daemon=True).start()
+
+    def _start(self) -> None:
+        try:
+            self.sandbox.start()
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._started.set()
+
+    def ready(self) -> "ServerSandbox":
+        """The sandbox once started (waiting for it, and counting the wait)."""
+        if not self._started.is_set():
+            began = time.monotonic()
+            self._started.wait()
+            self.waited_s += time.monotonic() - began
+        if self._error is not None:
+            raise self._error
+        return self.sandbox
+
+    def execute(self, tool: str, args: dict, timeout_s: float) -> dict:
+        return self.ready().execute(tool, args, timeout_s)
+
+    def stop(self) -> None:
+        self._started.wait()
+        self.sandbox.stop()
+
+
 def package_root() -> str:
     """The directory that holds the ``rollout_service`` package (the action server imports it)."""
     return str(Path(__file__).resolve().parents[2])
