@@ -300,9 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         calls = [t for t in trajectory.turns if t.kind == "generation"]
         tool_s = sum(t.latency_s for t in trajectory.turns if t.kind == "observation")
-        waited_s = getattr(view.timings, "sandbox_wait_s", None)  # the boot overlaps the first call
-        waited_s = view.timings.sandbox_boot_s or 0.0 if waited_s is None else waited_s
-        overheads.append((view.timings.run_s - waited_s - tool_s) / len(calls) - args.delay_s)
+        # the sandbox boots during the first LLM call; the first tool call's latency has the wait in it
+        boot_s = 0.0 if getattr(view.timings, "sandbox_wait_s", None) is not None else view.timings.sandbox_boot_s or 0.0
+        overheads.append((view.timings.run_s - boot_s - tool_s) / len(calls) - args.delay_s)
         call_excess.extend(t.latency_s - args.delay_s for t in calls[1:])
         first_excess.extend(t.latency_s - args.delay_s for t in calls[:1])
         queued.append(view.timings.waits_s.get("init", 0.0))  # the "queued": submit to init start

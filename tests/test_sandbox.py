@@ -519,9 +519,12 @@ def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_cal
     try:
         assert starting.execute("bash", {"command": "echo ready"}, 10)["output"] == "ready"
         assert 0 < starting.waited_s < starting.sandbox.boot_s + 0.05  # the call waited for the boot, no longer
+        pids = [starting.sandbox.process.pid, *descendants(starting.sandbox.process.pid)]
     finally:
-        starting.stop()
-    assert starting.sandbox.process.poll() is not None
+        began = time.monotonic()
+        starting.stop_soon()
+        assert time.monotonic() - began < 0.05  # the caller goes on
+    assert wait_until(lambda: starting.sandbox.process.poll() is not None and not alive(pids)), alive(pids)
     broken = BackgroundStart(create_sandbox("bwrap", SandboxSpec("j", str(tmp_path / "missing"), tools=("bash",))))
     with pytest.raises(SandboxError, match="init stage must create it"):  # raised where the sandbox is used
         broken.execute("bash", {"command": "true"}, 10)

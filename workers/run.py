@@ -121,7 +121,7 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
         elif episode is None and hasattr(agent, "history"):  # an infrastructure error: keep what we have
             store.put_trajectory(job_id, agent.history.build(FinishReason.error))
         if sandbox is not None:
-            sandbox.stop()
+            sandbox.stop_soon()
         llm.release()
     trajectory = episode.trajectory
     boot_s = sandbox.sandbox.boot_s if sandbox is not None else None

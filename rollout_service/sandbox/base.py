@@ -129,6 +129,12 @@ class BackgroundStart:
         self._started.wait()
         self.sandbox.stop()
 
+    def stop_soon(self) -> None:
+        """Stop in a thread of its own: a torn-down sandbox's processes take a while to die under
+        load (150 ms p50, 430 ms p90 with 200 of them on 2 cores), and nothing needs to wait for
+        it. Its uid goes back to the pool only once they are dead; the reaper covers a crash."""
+        threading.Thread(target=self.stop, name=f"stop-{self.sandbox.sandbox_id}", daemon=True).start()
+
 
 def package_root() -> str:
     """The directory that holds the ``rollout_service`` package (the action server imports it)."""
