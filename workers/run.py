@@ -124,7 +124,7 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
             sandbox.stop_soon()
         llm.release()
     trajectory = episode.trajectory
-    boot_s = sandbox.sandbox.boot_s if sandbox is not None else None
+    boot_s = sandbox.boot_s if sandbox is not None else None  # an episode may end before its sandbox is up
     record_episode(store.redis, trajectory, boot_s)
     if sandbox is not None:
         ctx.end_fields.update(sandbox_boot_s=boot_s, sandbox_wait_s=sandbox.waited_s)

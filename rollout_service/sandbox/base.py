@@ -125,6 +125,12 @@ class BackgroundStart:
     def execute(self, tool: str, args: dict, timeout_s: float) -> dict:
         return self.ready().execute(tool, args, timeout_s)
 
+    @property
+    def boot_s(self) -> Optional[float]:
+        """How long the start took (None if it failed), once it is over."""
+        self._started.wait()
+        return self.sandbox.boot_s
+
     def stop(self) -> None:
         self._started.wait()
         self.sandbox.stop()
