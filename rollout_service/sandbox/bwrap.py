@@ -323,7 +323,7 @@ _fork_server = ForkServer()
 
 
 class Forked:
-    """A sandbox the fork server started: ``pid`` is its outermost process, in this pid namespace;
+    """A sandbox the fork server started: ``pid`` is its init (P1), as seen from this pid namespace;
     its init writes the exit code of the server or script to ``status_fd`` and closes it."""
 
     def __init__(self, pid: int, status_fd: int, stdout: Any = None) -> None:

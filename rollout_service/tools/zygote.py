@@ -13,9 +13,12 @@ modules imported, and for each request forks:
                      tools on the socket it was handed, or execs a one-shot program; a one-shot
                      Python script or module P1 runs itself, confined the same way
 
-Killing P1 ends the sandbox: when P1 dies, the kernel kills everything in
-its pid namespace. Untrusted code never runs in this process's image: bash, the IPython kernel
-and graded code are exec'd, so nothing of other sandboxes' requests can be read from memory.
+Killing P1 ends the sandbox: when P1 dies, the kernel kills everything in its pid namespace.
+Agent code never runs in this process's image (bash and the IPython kernel are exec'd). Graded
+code does: it runs in a child the grader forks. What it could find there of other sandboxes is
+what passes through this server: spawn requests (mount plans with workspace and socket paths,
+limits, uids, the fixed sandbox environment); no secret does (a harness's key goes to its own
+sandbox's server, over that sandbox's socket).
 
 Requests come on a SOCK_SEQPACKET socket (``--control-fd``): one JSON object and three file descriptors
 (the channel: a socket to serve or the script's stdout; a log for stderr; a pipe P1 writes
