@@ -529,3 +529,16 @@ def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_cal
     with pytest.raises(SandboxError, match="init stage must create it"):  # raised where the sandbox is used
         broken.execute("bash", {"command": "true"}, 10)
     broken.stop()
+
+
+def test_a_one_shot_module_runs_its_main_confined_and_the_code_grader_grades_that_way(workspace: Path) -> None:
+    grading = {"program": "def f():\n    return 1\n", "tests": ["assert f() == 1", "assert f() == 2"],
+               "timeout_s": 5, "budget_s": 20, "nonce": "n0nce", "site_paths": []}
+    (workspace / "grading.json").write_text(json.dumps(grading))
+    spec = SandboxSpec("grade", str(workspace), script=("module:rollout_service.tools.code_runner",
+                                                        "/workspace/grading.json"))
+    exit_code, output = create_sandbox("bwrap", spec).run(timeout_s=30)
+    assert exit_code == 0, output
+    results = json.loads(output.strip().splitlines()[-1].split(" ", 1)[1])
+    assert [r["status"] for r in results] == ["passed", "failed"] and "AssertionError" in results[1]["error"]
+    assert not (workspace / "grading.json").exists()  # read, then deleted before any submitted code ran
