@@ -273,11 +273,11 @@ class ForkServer:
             return self._control
         self._control = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._log = os.path.join(tempfile_dir(), f"rollout-fork-server-{os.getpid()}.log")
+        self._log = os.path.join(log_dir(), f"fork-server-{os.getpid()}.log")
         try:
             os.set_inheritable(theirs.fileno(), True)
             argv = fork_server_argv(theirs.fileno())
-            with open(self._log, "ab") as log:
+            with open(self._log, "wb") as log:
                 if green_process():
                     self._process = Spawned(argv, log)
                 else:
@@ -313,7 +313,11 @@ class ForkServer:
             return "no log"
 
 
-def tempfile_dir() -> str:
+def log_dir() -> str:
+    """Where fork servers log: the service's log directory (``rollout-service up`` makes it), else /tmp."""
+    logs = get_settings().state_path / "logs"
+    if logs.is_dir():
+        return str(logs)
     import tempfile
 
     return tempfile.gettempdir()
