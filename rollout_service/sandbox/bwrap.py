@@ -9,6 +9,7 @@ RLIMIT_NPROC for uid 0, and counts it per uid: one uid per sandbox is what conta
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import random
@@ -88,10 +89,12 @@ def give_to(path: str, uid: int) -> None:
                 os.lchown(full, uid, uid)
 
 
-def runtime_paths() -> list[str]:
-    """Host directories the action server needs: the interpreter, the venv, the package."""
+@functools.lru_cache(maxsize=1)
+def runtime_paths() -> tuple[str, ...]:
+    """Host directories the action server needs: the interpreter, the venv, the package (the same
+    for the life of the process; asked at every sandbox start)."""
     paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), *host_import_paths()}
-    return sorted(paths)
+    return tuple(sorted(paths))
 
 
 def hidden_ancestor(path: str) -> str | None:
@@ -104,11 +107,12 @@ def hidden_ancestor(path: str) -> str | None:
     return None
 
 
-def runtime_mounts(covered: list[str], check_access: bool) -> list[str]:
-    """Bind the runtime back at its own path where the sandbox would not see it: under a directory
-    the sandbox mounts privately (``covered``: /tmp, ...) or, with ``check_access`` (the server
-    switches uid), under a directory other users cannot enter (e.g. /root), hidden by a tmpfs."""
-    args: list[str] = []
+def runtime_rebinds(covered: list[str], check_access: bool) -> list[tuple[str, str]]:
+    """Where the sandbox would not see the runtime at its own path: under a directory it mounts
+    privately (``covered``: /tmp, ...) or, with ``check_access`` (the server switches uid), under a
+    directory other users cannot enter (e.g. /root). In order: ("tmpfs", that directory) to hide it,
+    ("dir", d) for each directory to make on the way, ("bind", path) to bind the runtime back."""
+    steps: list[tuple[str, str]] = []
     made: set[str] = set(covered)
     for path in runtime_paths():
         base = next((c for c in covered if path.startswith(c.rstrip("/") + "/")), None)
@@ -116,16 +120,34 @@ def runtime_mounts(covered: list[str], check_access: bool) -> list[str]:
             base = hidden_ancestor(path)
             if base is not None and base not in made:
                 made.add(base)
-                args += ["--tmpfs", base]
+                steps.append(("tmpfs", base))
         if base is None:
             continue
         parent = Path(path).parent
         for directory in reversed([parent, *parent.parents]):
             if len(str(directory)) > len(base) and str(directory) not in made:
                 made.add(str(directory))
-                args += ["--perms", "0755", "--dir", str(directory)]
-        args += ["--ro-bind", path, path]
+                steps.append(("dir", str(directory)))
+        steps.append(("bind", path))
+    return steps
+
+
+def runtime_mounts(covered: list[str], check_access: bool) -> list[str]:
+    """``runtime_rebinds`` as bwrap arguments."""
+    flags = {"tmpfs": ["--tmpfs"], "dir": ["--perms", "0755", "--dir"]}
+    args: list[str] = []
+    for step, path in runtime_rebinds(covered, check_access):
+        args += [*flags[step], path] if step in flags else ["--ro-bind", path, path]
     return args
+
+
+def hidden_paths(hide: tuple[str, ...], covered: list[str]) -> list[str]:
+    """The directories of ``hide`` that exist and are not under one already covered."""
+    hidden: list[str] = []
+    for path in hide:
+        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in [*covered, *hidden]):
+            hidden.append(path)
+    return hidden
 
 
 def host_root_mounts() -> list[str]:
@@ -156,12 +178,10 @@ def _layout(tmp_size: str, hide: tuple[str, ...], check_access: bool) -> list[st
     for private in ("/tmp", "/dev/shm"):
         argv += ["--perms", "1777", "--size", tmp_size, "--tmpfs", private]
     argv += ["--tmpfs", "/run"]
-    covered = list(PRIVATE_PER_SANDBOX)
-    for path in hide:
-        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in covered):
-            covered.append(path)
-            argv += ["--tmpfs", path]
-    return argv + runtime_mounts(covered, check_access=check_access)
+    hidden = hidden_paths(hide, list(PRIVATE_PER_SANDBOX))
+    for path in hidden:
+        argv += ["--tmpfs", path]
+    return argv + runtime_mounts([*PRIVATE_PER_SANDBOX, *hidden], check_access=check_access)
 
 
 def bwrap_argv(
@@ -219,19 +239,10 @@ def fork_mount_plan(spec: SandboxSpec, socket_dir: str, hide: tuple[str, ...]) -
     size = tmp_size_bytes(spec)
     plan: list[list[str]] = [["private", "/"], ["tmpfs", size, "1777", "/tmp"], ["tmpfs", size, "1777", "/dev/shm"],
                              ["tmpfs", "1048576", "755", "/run"]]
-    made = set(PRIVATE_PER_SANDBOX)
-    for path in runtime_paths():
-        base = next((c for c in PRIVATE_PER_SANDBOX if path.startswith(c + "/")), None)
-        if base is None:
-            continue
-        for directory in reversed(Path(path).parents):
-            if len(str(directory)) > len(base) and str(directory) not in made:
-                made.add(str(directory))
-                plan.append(["dir", str(directory)])
-        plan += [["dir", path], ["ro-bind", HOST_VIEW + path, path]]
-    for path in hide:
-        if os.path.isdir(path) and not any(path.startswith(c + "/") for c in PRIVATE_PER_SANDBOX):
-            plan.append(["tmpfs", "4096", "755", path])
+    for step, path in runtime_rebinds(list(PRIVATE_PER_SANDBOX), check_access=False):
+        plan += [["dir", path]] if step == "dir" else [["dir", path], ["ro-bind", HOST_VIEW + path, path]]
+    for path in hidden_paths(hide, list(PRIVATE_PER_SANDBOX)):
+        plan.append(["tmpfs", "4096", "755", path])
     plan += [["dir", INNER_SOCKET_DIR], ["bind", HOST_VIEW + os.path.realpath(socket_dir), INNER_SOCKET_DIR],
              ["bind", HOST_VIEW + os.path.realpath(spec.workspace), INNER_WORKSPACE],
              ["proc", "/proc"], ["devpts", "/dev/pts"], ["detach", HOST_VIEW]]
@@ -246,6 +257,7 @@ class ForkServer:
         self._owner = -1
         self._control: socket.socket | None = None
         self._process: Any = None
+        self._log = ""
 
     def spawn(self, request: dict[str, Any], fds: list[int]) -> int:
         """Fork a sandbox for ``request`` with ``fds`` (channel, log, status); returns its pid."""
@@ -309,7 +321,7 @@ class ForkServer:
         try:
             with open(self._log, "rb") as f:
                 return "its log: " + f.read()[-2000:].decode("utf-8", "replace")
-        except (OSError, AttributeError):
+        except OSError:
             return "no log"
 
 
@@ -386,8 +398,7 @@ class BwrapSandbox(ServerSandbox):
         self._prepare()
         assert self._lease is not None
         spec = self.spec
-        hide = (str(get_settings().state_path),)
-        request = {"mounts": fork_mount_plan(spec, self.socket_dir or "", hide), "env": self.sandbox_env(),
+        request = {"mounts": fork_mount_plan(spec, self.socket_dir or "", self.hidden()), "env": self.sandbox_env(),
                    "tools": list(spec.tools), "memory_mb": spec.memory_mb, "cpu_time_s": spec.cpu_time_s,
                    "max_procs": spec.max_procs, "user": f"{self._lease.uid}:{self._lease.uid}",
                    "workspace": INNER_WORKSPACE, "script": list(spec.script)}
@@ -417,8 +428,12 @@ class BwrapSandbox(ServerSandbox):
 
     def _launch(self) -> tuple[list[str], dict[str, Any]]:
         assert self.socket_dir is not None
-        hide = (str(get_settings().state_path),)
-        return bwrap_argv(self.spec, self.socket_dir, self.sandbox_env(), self.uid, hide), {}
+        return bwrap_argv(self.spec, self.socket_dir, self.sandbox_env(), self.uid, self.hidden()), {}
+
+    @staticmethod
+    def hidden() -> tuple[str, ...]:
+        """What a sandbox must not see of the host: the service's state (Redis files, ground truth)."""
+        return (str(get_settings().state_path),)
 
     def _release(self) -> None:
         if self._lease is not None:

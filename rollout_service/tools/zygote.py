@@ -40,7 +40,6 @@ import traceback
 import runpy  # noqa: F401  (what sandboxes use, imported once here instead of in every sandbox)
 import select  # noqa: F401
 import subprocess  # noqa: F401
-import time  # noqa: F401
 
 from rollout_service.tools import action_server, bash, code_runner, confine  # noqa: F401
 
