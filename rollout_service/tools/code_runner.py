@@ -20,6 +20,8 @@ import signal
 import sys
 import time
 
+from rollout_service.tools.confine import exit_status
+
 STDERR_TAIL_BYTES = 2000
 ERROR_CHARS = 160
 
@@ -98,7 +100,7 @@ def run_child(program: str, test: str, token: str, out: int, err: int, scratch: 
         os.write(1, ("\n" + token + "\n").encode())
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        code = exit_status(exc)
     except BaseException:
         import traceback
 

@@ -68,6 +68,14 @@ def run_script(argv: list[str] | None = None) -> None:
 MODULE_PREFIX = "module:"
 
 
+def exit_status(exc: SystemExit) -> int:
+    """The status Python exits with for ``exc``, writing a message to stderr as Python does."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    sys.stderr.write(f"{exc.code}\n")
+    return 1
+
+
 def runs_in_process(script: list[str]) -> bool:
     """Whether ``run`` runs ``script`` in this interpreter (a Python file or module) or execs it."""
     return script[0].endswith(".py") or script[0].startswith(MODULE_PREFIX)

@@ -133,9 +133,7 @@ def sandboxed(request: dict, channel: int, log: int, status: int = -1) -> int:
             action_server.serve_connection(connection, toolbox)
             code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            sys.stderr.write(f"{exc.code}\n")
+        code = confine.exit_status(exc)
     except BaseException:
         traceback.print_exc()
     try:
