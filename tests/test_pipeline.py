@@ -174,3 +174,22 @@ def test_rollouts_of_a_seeded_group_get_distinct_seeds(client, scripted_backend)
     client.wait(client.submit(math_task(problem), n=3, sampling={"seed": 10}).job_ids, timeout_s=120)
     assert sorted(call["params"]["seed"] for call in server_log(backend.url)) == [10, 11, 12]
 
+
+
+def test_a_sandbox_that_cannot_start_fails_the_job_at_its_first_tool_call_and_keeps_the_first_turn(
+        tmp_path, scripted_server, tiny_tokenizer_dir):
+    """The sandbox starts while the first LLM call runs; its error surfaces where the episode needs it."""
+    from tests.fixtures_service import running_service
+
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    url = scripted_server({"episodes": [{"match": problem, "turns": [
+        "Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"), "It is \\boxed{4}."]}]})
+    with running_service(tmp_path, ROLLOUT_SANDBOX="singularity") as service, service.client() as client:
+        client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
+        job_id = client.submit(math_task(problem)).job_ids[0]  # no image: singularity cannot start
+        view, = client.wait([job_id], timeout_s=120)
+        assert view.status.value == "failed" and view.error.code == "sandbox_error", view.error
+        assert "needs an image" in view.error.message
+        trajectory = client.trajectory(job_id)
+        assert [t.kind for t in trajectory.turns] == ["generation"] and trajectory.finish_reason.value == "error"
+        assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(url))
