@@ -170,7 +170,7 @@ def job_body(args: argparse.Namespace, number: int) -> dict[str, Any]:
             "timeouts": {"job_s": 600}}
 
 
-def start_profilers(tree: list[int], out: Path, seconds: int = 10) -> list[subprocess.Popen]:
+def start_profilers(tree: list[int], out: Path, seconds: int = 10, only: str = "") -> list[subprocess.Popen]:
     """py-spy on every Celery worker and the gateway while the rollouts run (raw stacks per process)."""
     out.mkdir(parents=True, exist_ok=True)
     profilers = []
@@ -181,10 +181,12 @@ def start_profilers(tree: list[int], out: Path, seconds: int = 10) -> list[subpr
             continue
         args = [a.decode() for a in argv if a]
         if "worker" in args and "-Q" in args:
-            name = "worker-" + args[args.index("-Q") + 1]
+            name = f"worker-{args[args.index('-Q') + 1]}-{pid}"
         elif "gunicorn" in " ".join(args):
             name = f"gateway-{pid}"
         else:
+            continue
+        if only and not any(name.startswith(f"worker-{queue}-") or name.startswith(queue) for queue in only.split(",")):
             continue
         profilers.append(subprocess.Popen(
             ["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "100", "-f", "raw", "--nonblocking", "--subprocesses",
@@ -232,6 +234,7 @@ def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Pa
     for job_id in job_ids:
         pipe.hmget(JobStore.key(job_id), *TIMELINE_FIELDS)
     with path.open("w") as out:
+        out.write(json.dumps({"started_at": started_at}) + "\n")
         for job_id, values in zip(job_ids, pipe.execute()):
             out.write(json.dumps({"job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
                                                        for name, v in zip(TIMELINE_FIELDS, values)}}) + "\n")
@@ -256,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
                 bodies = [job_body(args, i) for i in range(args.rollouts)]
                 started, started_at = time.monotonic(), time.time()
-                profilers = start_profilers(tree, Path(args.profile)) if args.profile else []
+                profilers = start_profilers(tree, Path(args.profile), only=args.profile_only) if args.profile else []
                 job_ids = submit_all(client, bodies)
                 submitted_s = time.monotonic() - started
                 peak = base_rss
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
     parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
+    parser.add_argument("--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated")
     parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
     parser.add_argument("--json", action="store_true")

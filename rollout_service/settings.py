@@ -56,6 +56,7 @@ class Settings:
     max_new_tokens: int = 1024
     sandbox: str = "bwrap"  # "local" (no isolation) only when asked for explicitly
     sandbox_fork_server: bool = True  # bwrap as root: sandboxes forked from one server per worker, not a bwrap each
+    sandbox_scratch_dir: str = ""  # sockets, logs, code graders' workspaces; "": /dev/shm if a writable tmpfs, else TMPDIR
     sandbox_memory_mb: int = 2048
     sandbox_max_procs: int = 256
     sandbox_cpu_time_s: int = 3600
@@ -87,8 +88,27 @@ class Settings:
     def state_path(self) -> Path:
         return Path(self.state_dir).resolve()
 
+    @functools.cached_property
+    def scratch_path(self) -> str:
+        """Where the small per-sandbox directories go: on a disk file system, making and removing one
+        cost ~1 ms of journaling per sandbox."""
+        if self.sandbox_scratch_dir:
+            return self.sandbox_scratch_dir
+        import tempfile
+
+        return "/dev/shm" if _is_writable_tmpfs("/dev/shm") else tempfile.gettempdir()
+
     def replace(self, **changes: object) -> "Settings":
         return dataclasses.replace(self, **changes)
+
+
+def _is_writable_tmpfs(path: str) -> bool:
+    try:
+        with open("/proc/self/mounts") as mounts:
+            is_tmpfs = any(line.split()[1:3] == [path, "tmpfs"] for line in mounts)
+    except OSError:
+        return False
+    return is_tmpfs and os.access(path, os.W_OK | os.X_OK)
 
 
 def _flag(raw: str) -> bool:

@@ -75,7 +75,7 @@ def assert_segment_is_exactly_what_the_server_returned(segment, requests: list[d
 
 
 def test_a_stdlib_harness_runs_three_turns_with_tool_calls_and_every_call_is_recorded_exactly(
-        client, scripted_backend, scripted_server):
+        client, scripted_backend, scripted_server, service):
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend({"episodes": [
         {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
@@ -90,6 +90,7 @@ def test_a_stdlib_harness_runs_three_turns_with_tool_calls_and_every_call_is_rec
 
     assert view.status.value == "completed", view.error
     assert view.finish_reason.value == "finished" and view.reward == 1.0
+    assert service.redis().hget(f"rollout:job:{job_id}", "first_call_model") is None  # the harness calls first
     trajectory = client.trajectory(job_id)
     requests = server_log(backend.url)
     assert [t.kind for t in trajectory.turns] == ["generation", "observation"] * 2 + ["generation"]

@@ -134,10 +134,10 @@ def test_removing_a_backend_mid_run_moves_its_jobs_and_records_the_move(client, 
     assert moved and all(t.moved_from == leaving.id and t.backend_id == staying.id for t in moved)
 
 
-def test_a_job_without_a_sandbox_gets_its_first_call_with_its_run_stage_and_leaves_no_call_or_backend_held(
+def test_a_job_gets_its_first_call_with_its_run_stage_and_leaves_no_call_or_backend_held(
         client, scripted_backend, service):
-    """Init records the model of an episode whose first step is an LLM call; the run worker sends that
-    call's start_call with the stage's begin. Every call so counted is ended and every assignment
+    """Init records the model of an episode whose first step is an LLM call (its sandbox, if any, boots
+    during that call); the run worker sends that call's start_call with the stage's begin. Every call so counted is ended and every assignment
     released, whether the episode used it or the stage did not run."""
     problem = f"First call early ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend({"episodes": [{"match": problem, "turns": [
@@ -148,7 +148,7 @@ def test_a_job_without_a_sandbox_gets_its_first_call_with_its_run_stage_and_leav
     assert [v.status.value for v in views] == ["completed"] * 5, [v.error for v in views]
     redis = service.redis()
     recorded = [redis.hget(f"rollout:job:{j}", "first_call_model") for j in finishing.job_ids + in_sandbox.job_ids]
-    assert recorded == [b"early"] * 4 + [None]  # a sandbox boots first: its first call is not sent early
+    assert recorded == [b"early"] * 5  # a harness's job has none: test_harness
     assert redis.hget("rollout:backend:calls", finishing.job_ids[0]) is None
 
     def assignments() -> tuple[int, int]:

@@ -119,6 +119,8 @@ def test_sandbox_can_write_its_workspace_and_nothing_else(
     assert bash(sandbox, f"echo private > {scratch} && cat {scratch}")["output"] == "private"
     assert not Path(scratch).exists()
     assert not (tmp_path / "escape").exists()
+    assert Path(sandbox.socket_dir).parent == Path(get_settings().scratch_path)  # /dev/shm here: a tmpfs
+    assert bash(sandbox, "ls -A /dev/shm")["output"] == ""  # its own, not the one with every socket directory
 
 
 def test_sandbox_cannot_read_the_services_state(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, ValidationError
-from rollout_service.sandbox import needs_sandbox
 from rollout_service.schemas import BackendView, JobRequest, Prepared
 from rollout_service.store import workspace_dir
 from rollout_service.tasks import get_handler
@@ -40,7 +39,7 @@ def prepare_job(ctx: StageContext, backends: list[BackendView]) -> None:
         messages = [{"role": "system", "content": request.agent.system_prompt}] + \
             [m for m in messages if m["role"] != "system"]
     prompt_ids = renderer_for(tokenizer).initial_prompt(messages, tool_schemas(tools))
-    if not needs_sandbox(tools, request.agent.harness):  # run may send its first call with the stage's begin
+    if request.agent.harness is None:  # run may send its first call with the stage's begin (a sandbox boots meanwhile)
         ctx.end_fields["first_call_model"] = model
     ctx.results["prepared"] = Prepared(
         prompt_ids=prompt_ids, messages=messages, tools=list(tools), model=model, tokenizer=tokenizer,

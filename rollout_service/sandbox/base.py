@@ -427,7 +427,7 @@ class ServerSandbox:
                                                stderr=log_file, start_new_session=True, **popen_options)
 
     def _make_socket_dir(self) -> None:
-        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-")
+        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-", dir=get_settings().scratch_path)
         if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
             raise SandboxError(
                 f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "

@@ -180,7 +180,7 @@ def run_hidden_tests(program: str, tests: list[str], per_test_s: float,
     # The grader runs on this host's Python without ``site``; its forked tests get its site-packages on
     # sys.path all the same. An image's own python3 runs its site.
     paths = site.getsitepackages() if image is None else []
-    with grading_workspace("code") as workspace:
+    with grading_workspace("code", small=True) as workspace:
         (workspace / "grading.json").write_text(json.dumps(
             {"program": program, "tests": tests, "timeout_s": per_test_s, "budget_s": budget_s, "nonce": nonce,
              "site_paths": paths}))

@@ -34,9 +34,10 @@ def eval_budget_s(task: dict[str, Any]) -> float:
 
 
 @contextlib.contextmanager
-def grading_workspace(prefix: str) -> Iterator[Path]:
-    """A new, empty host directory for one grading run; removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix=f"rollout-{prefix}-"))
+def grading_workspace(prefix: str, small: bool = False) -> Iterator[Path]:
+    """A new, empty host directory for one grading run; removed afterwards. ``small``: it holds a few
+    files (memory-backed scratch space by default), not a repository."""
+    path = Path(tempfile.mkdtemp(prefix=f"rollout-{prefix}-", dir=get_settings().scratch_path if small else None))
     try:
         yield path
     finally:
