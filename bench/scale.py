@@ -223,8 +223,10 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
 TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
 
 
-def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Path) -> None:
-    """Each job's stage timestamps, in seconds since the submission began (one JSON line per job)."""
+def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Path,
+                   views: dict[str, Any], trajectories: dict[str, Any]) -> None:
+    """Each job's stage timestamps, in seconds since the submission began, its timings and the
+    latency of each of its turns (one JSON line per job, after a first line with the start time)."""
     import redis
 
     from rollout_service.store import JobStore
@@ -236,8 +238,13 @@ def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Pa
     with path.open("w") as out:
         out.write(json.dumps({"started_at": started_at}) + "\n")
         for job_id, values in zip(job_ids, pipe.execute()):
-            out.write(json.dumps({"job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
-                                                       for name, v in zip(TIMELINE_FIELDS, values)}}) + "\n")
+            view, trajectory = views.get(job_id), trajectories.get(job_id)
+            out.write(json.dumps({
+                "job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
+                                     for name, v in zip(TIMELINE_FIELDS, values)},
+                "timings": view.timings.model_dump(mode="json") if view is not None else None,
+                "turns": [(t.kind, round(t.latency_s, 4)) for t in trajectory.turns] if trajectory is not None else None,
+            }) + "\n")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -286,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 trajectories = fetch_trajectories(client, job_ids)
                 fetch_s = time.monotonic() - fetch_started
                 if args.timeline:
-                    write_timeline(stack, job_ids, started_at, Path(args.timeline))
+                    write_timeline(stack, job_ids, started_at, Path(args.timeline), dict(zip(job_ids, views)), trajectories)
         finally:
             sim.terminate()
             sim.wait()

@@ -112,7 +112,7 @@ def test_scoring_meets_a_stalled_redis_as_a_transient_error_to_retry_not_an_inte
     assert result["after"] == [{"reward": 1.0, "details": result["after"][0]["details"]}]
 
 
-def test_the_handoff_gathers_the_jobs_handed_on_within_its_window_into_one_message(redis_client, redis_url):
+def test_the_handoff_sends_a_lone_job_at_once_and_gathers_those_that_follow_within_its_window(redis_client, redis_url):
     result = run_with_broker(redis_url, """
         import json
         import threading
@@ -122,6 +122,8 @@ def test_the_handoff_gathers_the_jobs_handed_on_within_its_window_into_one_messa
 
         broker = redis.Redis.from_url(app.conf.broker_url)
         handoff = dispatch.Handoff(window_s=2.0, max_jobs=4)
+        lone = handoff.put("eval", "job-lone")
+        counts = {"lone_at_once": lone.is_set() and broker.llen("eval") == 1}
         published = []
         threads = [threading.Thread(target=lambda i=i: published.append(handoff.put("eval", f"job-{i}")))
                    for i in range(6)]
@@ -129,14 +131,15 @@ def test_the_handoff_gathers_the_jobs_handed_on_within_its_window_into_one_messa
             thread.start()
         for thread in threads:
             thread.join()
-        counts = {"before_window": broker.llen("eval"), "all_published": all(e.wait(5) for e in published)}
+        counts.update(before_window=broker.llen("eval"), all_published=all(e.wait(5) for e in published))
         with app.connection_for_read() as connection:
             queue = connection.SimpleQueue("eval", no_ack=True)
             marks = [queue.get(timeout=5).headers[dispatch.JOBS_HEADER] for _ in range(broker.llen("eval"))]
             queue.close()
         print(json.dumps({**counts, "marks": marks}))
     """)
-    assert result["before_window"] == 1  # the first four filled a message at once
+    assert result["lone_at_once"]
+    assert result["before_window"] == 2  # the lone job's message, and the first four of the six, which filled one
     assert result["all_published"]
-    assert sorted(len(m) for m in result["marks"]) == [2, 4]
-    assert sorted(x for m in result["marks"] for x in m) == sorted(f"job-{i}.eval" for i in range(6))
+    assert sorted(len(m) for m in result["marks"]) == [1, 2, 4]
+    assert sorted(x for m in result["marks"] for x in m) == sorted([f"job-{i}.eval" for i in range(6)] + ["job-lone.eval"])

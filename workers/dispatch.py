@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -96,47 +97,58 @@ def enqueue_from(job_id: str, stage: str) -> None:
     send_stage(stage, [job_id])
 
 
+QUIET_WINDOWS = 10  # a stage quiet this many windows hands its next job on at once
+
+
 class Handoff:
-    """Gathers the jobs a worker process hands to the next stages and publishes them together:
-    one message per stage per ``window_s`` (or per ``max_jobs``), whatever the number of tasks
-    and episodes that finished meanwhile. ``put`` returns an event set once the job is published;
-    a task waits for its jobs' events before it returns, so its late ack never precedes them."""
+    """Gathers the jobs a worker process hands to the next stages and publishes them together: at
+    most one message per stage per ``window_s`` (or per ``max_jobs``), whatever the number of tasks
+    and episodes that finished meanwhile. A job handed on after QUIET_WINDOWS quiet windows goes at
+    once (at low load the window only added its length to every hop: 8 jobs of 2 turns at 0.2 s,
+    0.515 -> 0.49 s); those that follow wait for the window. (Leading messages after a single quiet
+    window made twice as many messages under load: 1000 x 4 went from 5.2 to 5.8 s.) ``put`` returns an event set once the job is published; a task waits for its
+    jobs' events before it returns, so its late ack never precedes them."""
 
     def __init__(self, window_s: float, max_jobs: int) -> None:
         self.window_s = window_s
         self.max_jobs = max(max_jobs, 1)
         self._lock = threading.Lock()
         self._pending: dict[str, tuple[list[str], threading.Event]] = {}
+        self._last_sent: dict[str, float] = {}  # per stage, when its last message was taken to publish
         self._wake = threading.Event()
         self._pid = 0
 
     def put(self, stage: str, job_id: str) -> threading.Event:
         with self._lock:
             if self._pid != os.getpid():  # first use in this process (or a forked child)
-                self._pid, self._pending = os.getpid(), {}
+                self._pid, self._pending, self._last_sent = os.getpid(), {}, {}
                 threading.Thread(target=self._flush_forever, name="handoff", daemon=True).start()
             jobs, published = self._pending.setdefault(stage, ([], threading.Event()))
             jobs.append(job_id)
-            full = len(jobs) >= self.max_jobs
-        if full:
-            self._flush(stage)
-        else:
-            self._wake.set()
+            now = time.monotonic()
+            if len(jobs) < self.max_jobs and now - self._last_sent.get(stage, -math.inf) < QUIET_WINDOWS * self.window_s:
+                self._wake.set()
+                return published
+            del self._pending[stage]
+            self._last_sent[stage] = now
+        self._publish(stage, jobs, published)
         return published
 
     def _flush_forever(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
-            time.sleep(self.window_s)
-            for stage in list(self._pending):
-                self._flush(stage)
+            with self._lock:
+                due = min((self._last_sent.get(stage, -math.inf) for stage in self._pending), default=0.0)
+            time.sleep(max(due + self.window_s - time.monotonic(), 0.0))
+            with self._lock:
+                taken, self._pending = self._pending, {}
+                self._last_sent.update((stage, time.monotonic()) for stage in taken)
+            for stage, (jobs, published) in taken.items():
+                self._publish(stage, jobs, published)
 
-    def _flush(self, stage: str) -> None:
-        with self._lock:
-            jobs, published = self._pending.pop(stage, ([], None))
-        if not jobs or published is None:
-            return
+    @staticmethod
+    def _publish(stage: str, jobs: list[str], published: threading.Event) -> None:
         try:
             send_stage(stage, jobs)
         except Exception:  # the broker is away: housekeeping re-sends jobs no message carries
