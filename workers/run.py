@@ -1,13 +1,13 @@
 """run queue: boot the sandbox, drive the agent loop, extract the artifact, always tear down."""
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool, FirstCall
+from rollout_service.green import in_background
 from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
@@ -46,15 +46,14 @@ def run_jobs(job_ids: list[str]) -> None:
                 pool.drop_first_call(job_id, first_call.pop())
             slots.give_back(beyond_first)
 
-    episodes = [threading.Thread(target=episode, args=(job_id, n > 0), name=f"run-{job_id}")
-                for n, job_id in enumerate(job_ids[:taken])]
     gap_s = get_settings().episode_start_gap_ms / 1000
-    for n, thread in enumerate(episodes):
+    joins = []
+    for n, job_id in enumerate(job_ids[:taken]):
         if n and gap_s > 0:
             time.sleep(gap_s)  # a green sleep: started together, their calls would answer together every turn
-        thread.start()
-    for thread in episodes:
-        thread.join()
+        joins.append(in_background(episode, job_id, n > 0, name=f"run-{job_id}"))
+    for join in joins:
+        join()
 
 
 def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall]) -> None:

@@ -34,10 +34,10 @@ from rollout_service.sandbox.base import (
     SandboxSpec,
     Spawned,
     _launcher,
-    green_process,
     host_import_paths,
     server_arguments,
 )
+from rollout_service.green import green_process
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000

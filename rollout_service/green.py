@@ -1,0 +1,28 @@
+"""Background work that works the same in threads and in gevent's green workers."""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+
+def green_process() -> bool:
+    """Whether gevent has patched this process (run and init workers)."""
+    gevent_monkey = sys.modules.get("gevent.monkey")
+    return gevent_monkey is not None and gevent_monkey.is_module_patched("threading")
+
+
+def in_background(target: Callable[..., Any], *args: Any, name: str) -> Callable[[], Any]:
+    """Run ``target(*args)`` concurrently and return at once; the result joins it. In a green worker
+    it is a greenlet: ``threading.Thread.start()`` waits until the new thread has run, and in a busy
+    green worker that is a whole round of its hub (200 sandboxed episodes on 2 cores: 67 ms p50 and
+    220 ms p90 to start a sandbox's teardown, paid by the episode)."""
+    if green_process():
+        import gevent
+
+        greenlet = gevent.spawn(target, *args)
+        greenlet.name = name
+        return greenlet.join
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    thread.start()
+    return thread.join
