@@ -34,14 +34,14 @@ def register(redis_client: Any, sandbox: Any) -> None:
         "socket_dir": sandbox.socket_dir or "",
         "started_at": time.time(),
     }
-    pipe = redis_client.pipeline()
+    pipe = redis_client.pipeline(transaction=False)  # in a green worker: part of the shared round trip
     pipe.hset(sandbox_key(sandbox.sandbox_id), mapping=record)
     pipe.zadd(EXPIRY_KEY, {sandbox.sandbox_id: expiry})
     pipe.execute()
 
 
 def unregister(redis_client: Any, sandbox_id: str) -> None:
-    pipe = redis_client.pipeline()
+    pipe = redis_client.pipeline(transaction=False)  # in a green worker: part of the shared round trip
     pipe.delete(sandbox_key(sandbox_id))
     pipe.zrem(EXPIRY_KEY, sandbox_id)
     pipe.execute()
