@@ -513,6 +513,21 @@ def test_forked_sandboxes_share_nothing_and_die_with_their_fork_server(tmp_path:
             box.stop()
 
 
+def test_a_forked_sandboxs_tool_server_is_its_pid_1_and_reaps_the_orphans_it_inherits(workspace: Path,
+                                                                                     bwrap_mode: str) -> None:
+    if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
+        pytest.skip("the fork server serves root workers")
+    with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))) as box:
+        uid_of_pid_1 = bash(box, "awk '/^Uid/ {print $2}' /proc/1/status")["output"]
+        assert uid_of_pid_1 == bash(box, "id -u")["output"] != "0"  # the tool server, under the sandbox's uid
+        bash(box, "for i in 1 2 3; do (sleep 0.05 &); done")  # each sleep's parent exits: pid 1 inherits it
+        time.sleep(0.3)
+        zombies = lambda: bash(box, "ps -e -o stat= | grep -c '^Z' || true")["output"]  # noqa: E731
+        assert zombies() == "0"  # reaped when the next call came in
+        assert bash(box, "kill -9 1; echo still here")["output"] == "still here"  # pid 1 ignores its sandbox's signals
+        assert bash(box, "echo alive")["output"] == "alive"
+
+
 def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_call(workspace: Path,
                                                                                    tmp_path: Path) -> None:
     from rollout_service.sandbox.base import BackgroundStart

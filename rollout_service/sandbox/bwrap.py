@@ -47,7 +47,9 @@ PRIVATE_TOP_LEVEL = {"proc", "dev", "tmp", "run", "workspace", "lost+found"}
 PRIVATE_PER_SANDBOX = ("/tmp", "/dev/shm", "/run")
 HOST_VIEW = "/.rollout-host"  # the host's root inside the fork server, for binding workspaces; never in a sandbox
 FORK_SERVER_BOOTSTRAP = ("import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.zygote import main; main()")
-FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH")
+# CAP_KILL: a sandbox's init runs under the sandbox's uid, and the kernel checks the dying server's
+# right to signal it before it sends the init its parent-death signal
+FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH", "CAP_KILL")
 
 
 class UidLease:

@@ -97,16 +97,43 @@ class Toolbox:
                 return observation("", finished=True, answer=answer)
         return error_observation(f"tool {tool!r} is listed but not implemented by this action server")
 
+    def own_pids(self) -> set[int]:
+        """The processes the tools started themselves (and wait for)."""
+        pids = {self._bash.pid if self._bash is not None else None,
+                self._ipython.pid if self._ipython is not None else None}
+        return {pid for pid in pids if pid is not None}
+
     def _run_bash(self, command: str, timeout_s: float, output_cap: int) -> dict[str, Any]:
         if not self._bash_ready.wait(BASH_READY_TIMEOUT_S) or self._bash is None:
             return error_observation(self._bash_error or "bash did not start within 30 s")
         return self._bash.run(command, timeout_s, output_cap)
 
 
+def reap_orphans(toolbox: Toolbox) -> None:
+    """A server that is its sandbox's pid 1 inherits every orphaned process: reap those that ended
+    (not the tools' own processes, which their tools wait for)."""
+    own = toolbox.own_pids()
+    for children in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{children}/children") as listing:
+                pids = [int(pid) for pid in listing.read().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            if pid not in own:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
 def serve_connection(conn: socket.socket, toolbox: Toolbox) -> None:
     reader = conn.makefile("rb")
+    pid_1 = os.getpid() == 1
     with conn, reader:
         for line in reader:
+            if pid_1:
+                reap_orphans(toolbox)
             try:
                 request = json.loads(line)
             except ValueError:

@@ -42,6 +42,10 @@ class IPythonSession:
         self._client: Any = None
         self._lock = threading.Lock()
 
+    @property
+    def pid(self) -> int | None:
+        return self._kernel.pid if self._kernel is not None else None
+
     def launch(self) -> None:
         """Start the kernel process (cheap: no jupyter_client import). Idempotent."""
         if self._kernel is not None and self._kernel.poll() is None:

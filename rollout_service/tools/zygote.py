@@ -8,10 +8,11 @@ modules imported, and for each request forks:
     P1  (pid 1)      its child, born in a new pid namespace: setsid, dies with this server,
                      unshares mount/net/ipc/uts namespaces, mounts a fresh /tmp, /dev/shm, /run,
                      /proc and /dev/pts, binds the workspace and the socket directory, brings
-                     loopback up, then reaps
-    P2               limits, switches to the sandbox's own uid (all capabilities go), serves the
-                     tools on the socket it was handed, or execs a one-shot program; a one-shot
-                     Python script or module P1 runs itself, confined the same way
+                     loopback up; then limits, switches to the sandbox's own uid (all capabilities
+                     go) and serves the tools on the socket it was handed (reaping the orphans a
+                     pid 1 inherits), or runs a one-shot Python script or module
+    P2               for a one-shot program only: confined the same way, it execs the program
+                     while P1 reaps
 
 Killing P1 ends the sandbox: when P1 dies, the kernel kills everything in its pid namespace.
 Agent code never runs in this process's image (bash and the IPython kernel are exec'd). Graded
@@ -103,24 +104,27 @@ def loopback_up() -> None:
 
 
 def sandboxed(request: dict, channel: int, log: int, status: int = -1) -> int:
-    """Confine this process, then serve the tools on ``channel`` or run the script; returns the exit
-    code. ``status`` (a script run by the init itself) is kept open, as fd 3."""
+    """Confine this process, then serve the tools on ``channel`` (kept as fd 3) or run the script;
+    returns the exit code. ``status`` (the init serving or running a script itself) is kept open
+    as the next fd, ``status_fd(request)``."""
     code = 1
     try:
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
         os.dup2(log, 2)
         os.dup2(channel if request["script"] else devnull, 1)
-        kept = channel if not request["script"] else status
-        if kept >= 0:
-            os.dup2(kept, 3)
-            os.set_inheritable(3, False)
-        os.closerange(4 if kept >= 0 else 3, MAX_FD)
+        kept = ([] if request["script"] else [channel]) + ([status] if status >= 0 else [])
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in kept]  # out of the way of 3 and 4
+        for number, fd in enumerate(moved):
+            os.dup2(fd, 3 + number, inheritable=False)
+        os.closerange(3 + len(kept), MAX_FD)
         os.environ.clear()
         os.environ.update(request["env"])
         confine.apply_limits(request["memory_mb"], request["cpu_time_s"], request["max_procs"])
         if request["user"]:
             confine.drop_privileges(request["user"])
+            if os.getpid() == 1:  # the init itself: a change of uid cleared its parent-death signal (the
+                _die_with_parent()  # server's CAP_KILL lets the kernel send it to a process of another uid)
         _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         os.umask(0o022)
         os.chdir(request["workspace"])
@@ -144,16 +148,21 @@ def sandboxed(request: dict, channel: int, log: int, status: int = -1) -> int:
     return code
 
 
+def status_fd(request: dict) -> int:
+    """Where a sandbox's init serving or running a script itself keeps its status pipe."""
+    return 3 if request["script"] else 4
+
+
 def init(request: dict, channel: int, log: int, status: int) -> None:
-    """P1, pid 1 of the sandbox: set up its file system and network, then run a Python script
-    itself, or start P2 (the tool server, or a program that replaces it) and reap. Never returns."""
+    """P1, pid 1 of the sandbox: set up its file system and network, then serve the tools or run a
+    Python script itself, or start P2 (a program) and reap. Never returns."""
     try:
         apply_mounts(request["mounts"])
         socket.sethostname("sandbox")
         loopback_up()
-        if request["script"] and confine.runs_in_process(request["script"]):
+        if not request["script"] or confine.runs_in_process(request["script"]):
             code = sandboxed(request, channel, log, status)
-            os.write(3, str(code).encode())
+            os.write(status_fd(request), str(code).encode())
             os._exit(code)
         server = os.fork()
         if server == 0:
