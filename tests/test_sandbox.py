@@ -528,6 +528,26 @@ def test_a_forked_sandboxs_tool_server_is_its_pid_1_and_reaps_the_orphans_it_inh
         assert bash(box, "echo alive")["output"] == "alive"
 
 
+def test_a_forked_sandbox_whose_worker_stopped_reading_its_status_ends_quietly(workspace: Path, bwrap_mode: str) -> None:
+    if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
+        pytest.skip("the fork server serves root workers")
+    box = create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",)))
+    box.start()
+    try:
+        init = box.process.pid
+        os.close(box.process._status)  # nobody reads the exit code any more
+        box._client.close()  # the server's connection ends: it exits and writes its code
+        assert wait_until(lambda: not alive([init])), alive([init])
+        log = Path(box.socket_dir, "server.log").read_text()
+        assert "Traceback" not in log, log  # it ended at its own exit, not through the fork server's loop
+        with create_sandbox("bwrap", SandboxSpec("k", str(workspace), tools=("bash",))) as other:
+            assert bash(other, "echo next")["output"] == "next"
+    finally:
+        box.process._status = os.open(os.devnull, os.O_RDONLY)
+        box._client = None
+        box.stop()
+
+
 def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_call(workspace: Path,
                                                                                    tmp_path: Path) -> None:
     from rollout_service.sandbox.base import BackgroundStart

@@ -162,7 +162,7 @@ def init(request: dict, channel: int, log: int, status: int) -> None:
         loopback_up()
         if not request["script"] or confine.runs_in_process(request["script"]):
             code = sandboxed(request, channel, log, status)
-            os.write(status_fd(request), str(code).encode())
+            report(status_fd(request), str(code))
             os._exit(code)
         server = os.fork()
         if server == 0:
@@ -173,11 +173,20 @@ def init(request: dict, channel: int, log: int, status: int) -> None:
         while True:
             pid, wait_status = os.wait()
             if pid == server:
-                os.write(status, str(os.waitstatus_to_exitcode(wait_status)).encode())
+                report(status, str(os.waitstatus_to_exitcode(wait_status)))
                 os._exit(0)
     except BaseException:
-        os.write(log, traceback.format_exc().encode())
+        report(log, traceback.format_exc())
         os._exit(1)
+
+
+def report(fd: int, text: str) -> None:
+    """Write ``text`` to ``fd`` if it is still there (the worker may have stopped reading, or the
+    sandbox closed it): a forked sandbox must reach its ``os._exit``, never this server's loop."""
+    try:
+        os.write(fd, text.encode())
+    except OSError:
+        pass
 
 
 def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int, own_pid_namespace: int) -> int:
@@ -201,7 +210,8 @@ def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int
         _check(_libc.unshare(namespaces), "unshare")
         init(request, channel, log, status)
     except BaseException:
-        os.write(log, traceback.format_exc().encode())
+        report(log, traceback.format_exc())
+    finally:
         os._exit(1)
 
 
