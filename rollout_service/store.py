@@ -28,6 +28,19 @@ from rollout_service.schemas import (
 )
 from rollout_service.settings import Settings, get_settings
 
+
+def _remember_redis_version() -> None:
+    """redis-py looks its own version up in its package metadata (an email-format parse, ~0.33 ms
+    of the ~0.37 ms a connection costs) every time it makes a connection (kombu's acks and the
+    green workers' pools made ~100 over a 1000 x 4 bench's life). The version does not change."""
+    import redis.utils
+
+    if not hasattr(redis.utils.get_lib_version, "cache_info"):
+        redis.utils.get_lib_version = functools.lru_cache(maxsize=1)(redis.utils.get_lib_version)
+
+
+_remember_redis_version()
+
 PREFIX = "rollout"
 LIVE_JOBS = f"{PREFIX}:jobs:live"
 JOB_INDEX = f"{PREFIX}:jobs:index"  # zset: job id -> creation sequence number (newest = highest)
