@@ -136,9 +136,10 @@ def test_removing_a_backend_mid_run_moves_its_jobs_and_records_the_move(client, 
 
 def test_a_job_gets_its_first_call_with_its_run_stage_and_leaves_no_call_or_backend_held(
         client, scripted_backend, service):
-    """Init records the model of an episode whose first step is an LLM call (its sandbox, if any, boots
-    during that call); the run worker sends that call's start_call with the stage's begin. Every call so counted is ended and every assignment
-    released, whether the episode used it or the stage did not run."""
+    """Init records the model of an episode whose first step is an LLM call (its sandbox, if any,
+    boots during that call); the run worker sends that call's start_call with the stage's begin.
+    Every call so counted is ended and every assignment released, whether the episode used it or
+    the stage did not run."""
     problem = f"First call early ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend({"episodes": [{"match": problem, "turns": [
         tool_call("finish", answer="\\boxed{4}")]}]}, model="early")

@@ -423,11 +423,12 @@ class ServerSandbox:
                                                stderr=log_file, start_new_session=True, **popen_options)
 
     def _make_socket_dir(self) -> None:
-        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-", dir=get_settings().scratch_path)
+        scratch = get_settings().scratch_path
+        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-", dir=scratch)
         if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
             raise SandboxError(
                 f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
-                "point TMPDIR at a shorter directory"
+                "point ROLLOUT_SANDBOX_SCRATCH_DIR at a shorter directory"
             )
         self._log_path = os.path.join(self.socket_dir, "server.log")
 

@@ -164,15 +164,15 @@ def init(request: dict, channel: int, log: int, status: int) -> None:
             code = sandboxed(request, channel, log, status)
             report(status_fd(request), str(code))
             os._exit(code)
-        server = os.fork()
-        if server == 0:
+        program = os.fork()
+        if program == 0:
             os.close(status)
             os._exit(sandboxed(request, channel, log))
         os.close(channel)
         os.close(log)
         while True:
             pid, wait_status = os.wait()
-            if pid == server:
+            if pid == program:
                 report(status, str(os.waitstatus_to_exitcode(wait_status)))
                 os._exit(0)
     except BaseException:
