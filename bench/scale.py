@@ -261,42 +261,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 client.add_backend(sim_url, "vllm", "sim", tokenizer=str(tokenizer))
                 warm = submit_all(client, [job_body(args, -i) for i in range(4)])
                 client.wait(warm, timeout_s=120)
-                tree = process_tree(stack.process.pid)
-                base_rss = rss_mb(tree)
-                cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
-                bodies = [job_body(args, i) for i in range(args.rollouts)]
-                started, started_at = time.monotonic(), time.time()
-                profilers = start_profilers(tree, Path(args.profile), only=args.profile_only) if args.profile else []
-                job_ids = submit_all(client, bodies)
-                submitted_s = time.monotonic() - started
-                peak = base_rss
-                done: dict[str, Any] = {}
-                deadline = started + args.timeout_s
-
-                def on_done(view: Any) -> None:
-                    done[view.job_id] = view
-
-                # wait in slices so RSS can be sampled meanwhile
-                while len(done) < len(job_ids) and time.monotonic() < deadline:
-                    peak = max(peak, rss_mb(tree))
-                    pending = [j for j in job_ids if j not in done]
-                    try:
-                        client.wait(pending, timeout_s=0.5, on_done=on_done)
-                    except DeadlineExceeded:
-                        pass
-                wall_s = time.monotonic() - started
-                cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
-                for profiler in profilers:
-                    profiler.wait()
-                views = [done.get(j) or client.get(j) for j in job_ids]
-                fetch_started = time.monotonic()
-                trajectories = fetch_trajectories(client, job_ids)
-                fetch_s = time.monotonic() - fetch_started
-                if args.timeline:
-                    write_timeline(stack, job_ids, started_at, Path(args.timeline), dict(zip(job_ids, views)), trajectories)
+                rounds = []
+                for round_number in range(args.rounds):
+                    rounds.append(measure_round(args, stack, client, sim, round_number))
         finally:
             sim.terminate()
             sim.wait()
+    return {**rounds[0], "later_rounds": rounds[1:]}
+
+
+def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient, sim: subprocess.Popen,
+                  round_number: int) -> dict[str, Any]:
+    """Submit ``args.rollouts`` jobs at once, wait for all of them and summarize (one trainer step)."""
+    tree = process_tree(stack.process.pid)
+    base_rss = rss_mb(tree)
+    cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
+    bodies = [job_body(args, round_number * args.rollouts + i) for i in range(args.rollouts)]
+    started, started_at = time.monotonic(), time.time()
+    profile = args.profile and round_number == args.rounds - 1
+    profilers = start_profilers(tree, Path(args.profile), args.profile_s, args.profile_only) if profile else []
+    job_ids = submit_all(client, bodies)
+    submitted_s = time.monotonic() - started
+    peak = base_rss
+    done: dict[str, Any] = {}
+    deadline = started + args.timeout_s
+
+    def on_done(view: Any) -> None:
+        done[view.job_id] = view
+
+    # wait in slices so RSS can be sampled meanwhile
+    while len(done) < len(job_ids) and time.monotonic() < deadline:
+        peak = max(peak, rss_mb(tree))
+        pending = [j for j in job_ids if j not in done]
+        try:
+            client.wait(pending, timeout_s=0.5, on_done=on_done)
+        except DeadlineExceeded:
+            pass
+    wall_s = time.monotonic() - started
+    cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
+    for profiler in profilers:
+        profiler.wait()
+    views = [done.get(j) or client.get(j) for j in job_ids]
+    fetch_started = time.monotonic()
+    trajectories = fetch_trajectories(client, job_ids)
+    fetch_s = time.monotonic() - fetch_started
+    if args.timeline:
+        path = Path(args.timeline)
+        if round_number:
+            path = path.with_name(f"{path.stem}.round{round_number + 1}{path.suffix}")
+        write_timeline(stack, job_ids, started_at, path, dict(zip(job_ids, views)), trajectories)
     statuses: dict[str, int] = {}
     errors: dict[str, int] = {}
     for view in views:
@@ -341,27 +354,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rollouts", type=int, default=200)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--delay-s", type=float, default=1.0)
-    parser.add_argument("--sandbox", action="store_true", help="bwrap sandbox + a bash command per turn")
-    parser.add_argument("--filler-tokens", type=int, default=0, help="tokens before each tool call")
-    parser.add_argument("--run-concurrency", type=int, default=0, help="per run worker; default: --rollouts")
-    parser.add_argument("--init-workers", type=int, default=1, help="init worker processes")
-    parser.add_argument("--run-workers", type=int, default=0,
-                        help="run worker processes (rollout-service up --run-workers); default: up's own")
-    parser.add_argument("--timeout-s", type=float, default=600)
-    parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
-    parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
-    parser.add_argument("--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated")
-    parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
-    parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    r = run(args)
-    print(f"{r['rollouts']} rollouts x {r['turns']} turns, {r['delay_s']} s per LLM call"
+
+
+def report(r: dict[str, Any], round_number: int) -> None:
+    print(f"{'' if round_number == 1 else f'round {round_number}: '}{r['rollouts']} rollouts x {r['turns']} turns, {r['delay_s']} s per LLM call"
           f"{', bwrap + bash' if r['sandbox'] else ''}: {r['statuses']}")
     for message, count in r["errors"].items():
         print(f"  {count} x error: {message}")
@@ -377,6 +373,34 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['trajectory_fetch_s']} s")
     print(f"  CPU seconds during the run: {r['cpu_s']}; whole machine {r['machine_busy_cpu_s']}")
     print(f"  peak RSS {r['peak_rss_mb']} MB, {r['rss_per_rollout_mb']} MB per in-flight rollout")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rollouts", type=int, default=200)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--delay-s", type=float, default=1.0)
+    parser.add_argument("--sandbox", action="store_true", help="bwrap sandbox + a bash command per turn")
+    parser.add_argument("--filler-tokens", type=int, default=0, help="tokens before each tool call")
+    parser.add_argument("--run-concurrency", type=int, default=0, help="per run worker; default: --rollouts")
+    parser.add_argument("--init-workers", type=int, default=1, help="init worker processes")
+    parser.add_argument("--run-workers", type=int, default=0,
+                        help="run worker processes (rollout-service up --run-workers); default: up's own")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="submit the rollouts this many times in turn, as a trainer's steps do; "
+                             "the first round is reported, later ones under later_rounds")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
+    parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
+    parser.add_argument("--profile-s", type=int, default=10, help="with --profile: seconds to record from submission")
+    parser.add_argument("--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated")
+    parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
+    parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    r = run(args)
+    for number, result in enumerate([r, *r["later_rounds"]], 1):
+        report(result, number)
     if args.json:
         print(json.dumps({"bench": "scale", **r}))
     return 0
