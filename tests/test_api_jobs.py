@@ -9,6 +9,7 @@ import httpx
 import msgpack
 import pytest
 
+from rollout_service.api import jobs as api_jobs
 from rollout_service.errors import ApiError
 from tests.test_pipeline import math_task, tool_call
 
@@ -89,6 +90,20 @@ def test_wait_returns_at_its_timeout_with_the_unfinished_jobs_pending(client, sc
             client.wait([slow_id], timeout_s=1.0)
     finally:
         client.cancel(slow_id)
+
+
+def test_a_wait_whose_jobs_have_all_ended_answers_without_lingering_for_more(client, scripted_backend, service):
+    problem = f"Ended wait ({uuid.uuid4().hex[:6]})"
+    scripted_backend(script_for(problem))
+    job_ids = client.submit(math_task(problem), n=2).job_ids
+    client.wait(job_ids, timeout_s=120)
+    took = []
+    for _ in range(5):
+        started = time.monotonic()
+        answer = httpx.post(f"{service.url}/v1/jobs/wait", json={"job_ids": job_ids, "min_finished": 1}).json()
+        took.append(time.monotonic() - started)
+        assert sorted(v["job_id"] for v in answer["finished"]) == sorted(job_ids) and answer["pending"] == []
+    assert sorted(took)[2] < api_jobs.WAIT_LINGER_S * 0.8, took  # lingering alone takes WAIT_LINGER_S
 
 
 @pytest.mark.parametrize("route, body, fragment", [

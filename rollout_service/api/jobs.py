@@ -139,6 +139,8 @@ def wait_jobs() -> Response:
         # WAIT_RECHECK_S as a fallback, so a wait on thousands of jobs costs O(ends), not O(n) per end.
         while True:
             now = time.monotonic()
+            if not waiting:  # nothing left that could still end: lingering would only add its length
+                break
             if len(job_ids) - len(waiting) >= need:
                 linger_until = min(linger_until, now + WAIT_LINGER_S)  # gather ends arriving together
             if now >= min(deadline, linger_until):
