@@ -328,7 +328,9 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         overheads.append((view.timings.run_s - boot_s - tool_s) / len(calls) - args.delay_s)
         call_excess.extend(t.latency_s - args.delay_s for t in calls[1:])
         first_excess.extend(t.latency_s - args.delay_s for t in calls[:1])
-        queued.append(view.timings.waits_s.get("init", 0.0))  # the "queued": submit to init start
+        # the "queued": from the trainer's submit call to the job's init start (the gateway
+        # stamps created_at when it writes the job, which for the last jobs of a bulk is later)
+        queued.append(view.created_at + view.timings.waits_s.get("init", 0.0) - started_at)
         tokens.append(len(trajectory.prompt_ids) + len(trajectory.response_ids))
     ideal_s = args.turns * args.delay_s
     return {

@@ -106,6 +106,36 @@ def test_a_wait_whose_jobs_have_all_ended_answers_without_lingering_for_more(cli
     assert sorted(took)[2] < api_jobs.WAIT_LINGER_S * 0.8, took  # lingering alone takes WAIT_LINGER_S
 
 
+def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_write_cancels_what_it_made(
+        service, monkeypatch):
+    from rollout_service.schemas import JobRequest
+    from rollout_service.settings import Settings
+    from rollout_service.store import JobStore
+
+    class FailingThirdWrite(JobStore):
+        writes = 0
+
+        def create_many(self, requests, group_id=None, batch_id=""):
+            FailingThirdWrite.writes += 1
+            if FailingThirdWrite.writes == 3:
+                raise ConnectionError("redis went away")
+            return super().create_many(requests, group_id, batch_id)
+
+    enqueued: list[list[str]] = []
+    monkeypatch.setattr(api_jobs, "enqueue", lambda job_ids: enqueued.append(job_ids))  # nothing runs them
+    requests = [JobRequest(task=math_task("1+1"), n=n) for n in (3, 2, 4, 1, 5, 2)]
+    jobs = JobStore(service.redis(), Settings.from_env(service.env))
+
+    made = api_jobs.create_streaming(jobs, requests[:4], message_jobs=4)
+    assert [len(ids) for ids, _ in made] == [3, 2, 4, 1]
+    assert enqueued == [made[0][0] + made[1][0], made[2][0], made[3][0]]  # each message once it holds 4 jobs
+
+    enqueued.clear()
+    with pytest.raises(ConnectionError):
+        api_jobs.create_streaming(FailingThirdWrite(service.redis(), jobs.settings), requests, message_jobs=4)
+    assert len(enqueued) == 2 and all(jobs.status(j).value == "cancelled" for ids in enqueued for j in ids)
+
+
 @pytest.mark.parametrize("route, body, fragment", [
     ("/v1/jobs/bulk", {"jobs": []}, "jobs: List should have at least 1 item"),
     ("/v1/jobs/bulk", {"jobs": [{"task": math_task("1+1")}, {"task": {"domain": "math", "answer": "2"}}]},

@@ -1,6 +1,7 @@
 """``/v1/jobs`` (one job or a group, in bulk, waiting, listing, trajectories) and ``/v1/score``."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -86,6 +87,29 @@ def enqueue(job_ids: list[str]) -> None:
     dispatch.enqueue_jobs(job_ids)
 
 
+def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: int) -> list[tuple[list[str], str]]:
+    """Create and enqueue the requests' jobs a stage message at a time, so init starts on the first
+    ones while the rest are still being written (1,000 jobs took ~60 ms to write). Should a write
+    fail part way, the jobs already created are cancelled (best effort) and the error is raised."""
+    created: list[tuple[list[str], str]] = []
+    part: list[JobRequest] = []
+    try:
+        for number, job in enumerate(requests, 1):
+            part.append(job)
+            if sum(r.n for r in part) >= message_jobs or number == len(requests):
+                made = jobs.create_many(part)
+                enqueue([job_id for job_ids, _ in made for job_id in job_ids])
+                created += made
+                part = []
+    except Exception:
+        for job_ids, _ in created:
+            for job_id in job_ids:
+                with contextlib.suppress(Exception):
+                    jobs.cancel(job_id)
+        raise
+    return created
+
+
 # -- routes -----------------------------------------------------------------------------
 @route(blueprint, "post", "/v1/jobs", "Submit a task (n > 1: a GRPO group of n rollouts)",
        request=JobRequest, response=SubmitResponse, status=202, idempotent=True, errors=(400, 409))
@@ -110,8 +134,7 @@ def submit_bulk() -> Response:
         check_job(job.task, job.sampling, job.agent, models, where=f"jobs[{i}]")
 
     def make() -> dict[str, Any]:
-        created = store().create_many(bulk.jobs)
-        enqueue([job_id for job_ids, _ in created for job_id in job_ids])
+        created = create_streaming(store(), bulk.jobs, settings().stage_batch_max_jobs)
         return {"submissions": [{"job_ids": job_ids, "group_id": gid} for job_ids, gid in created]}
 
     return reply(idempotent("bulk:", make)[0], 202)
