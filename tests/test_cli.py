@@ -16,6 +16,7 @@ import pytest
 from celery import Celery
 
 from rollout_service.backends import BackendPool
+from rollout_service.cli import FLOWER_NICENESS
 from rollout_service.redis_server import free_port
 from rollout_service.schemas import BackendSpec
 
@@ -183,7 +184,11 @@ def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and
         while len(run_workers := redis_client.keys("rollout:worker:run-*")) < 2:  # /readyz needs one
             assert time.monotonic() < deadline, run_workers
             time.sleep(0.3)
-        assert processes_with(f"ROLLOUT_STATE_DIR={state}")
+        started = processes_with(f"ROLLOUT_STATE_DIR={state}")
+        niceness = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for pid in started
+                    if b"flower" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+        assert niceness and set(niceness.values()) == {FLOWER_NICENESS}, niceness  # monitoring yields to rollouts
+        assert any(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0 for pid in started)
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
