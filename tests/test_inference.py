@@ -380,3 +380,28 @@ def test_a_server_refusing_a_prompt_too_long_for_its_context_is_told_apart(kind,
     with pytest.raises(BackendRejected) as caught:
         client.generate([1, 2, 3], Sampling(), 8, 5)
     assert isinstance(caught.value, ContextWindowExceeded) is full and caught.value.status == status
+
+
+def test_answers_are_read_float_for_float_as_the_standard_library_reads_them_and_bodies_round_trip():
+    import math
+    import random
+    import struct
+
+    from rollout_service.inference import dumps_body, loads_answer
+
+    rng = random.Random(7)
+    floats = [struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))[0] for _ in range(20000)]
+    floats = [f for f in floats if math.isfinite(f)] + [-0.0, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308,
+                                                        -9999.0, -0.30000000000000004, -1e-45]
+    texts = [repr(f) for f in floats] + ["%.17g" % f for f in floats[:2000]] + ["%.25e" % f for f in floats[:2000]] + \
+        ["-0.1234567890123456789012345", "-1.00000000000000011102230246251565404236316680908203125"]
+    answer = ('{"logprobs": [' + ", ".join(texts) + '], "ids": [0, 18446744073709551615]}').encode()
+    expected = json.loads(answer)
+    parsed = loads_answer(answer)
+    assert [struct.pack("<d", f) for f in parsed["logprobs"]] == [struct.pack("<d", f) for f in expected["logprobs"]]
+    assert parsed["ids"] == expected["ids"]
+    assert math.isnan(loads_answer(b'{"x": NaN}')["x"]) and loads_answer(b'[-Infinity]') == [-math.inf]
+
+    body = {"prompt": list(range(600)), "temperature": 0.7, "seed": None, "stop": ["</s>"], "text": "é ✓"}
+    assert json.loads(dumps_body(body)) == body
+    assert json.loads(dumps_body({1: "a", "big": 2**70})) == {"1": "a", "big": 2**70}
