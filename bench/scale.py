@@ -223,10 +223,8 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
 TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
 
 
-def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Path,
-                   views: dict[str, Any], trajectories: dict[str, Any]) -> None:
-    """Each job's stage timestamps, in seconds since the submission began, its timings and the
-    latency of each of its turns (one JSON line per job, after a first line with the start time)."""
+def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[Any]:
+    """The jobs' record fields straight from the service's Redis (HMGET per job, one pipeline)."""
     import redis
 
     from rollout_service.store import JobStore
@@ -234,10 +232,19 @@ def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Pa
     client = redis.Redis.from_url((stack.state / "redis.url").read_text().strip())
     pipe = client.pipeline(transaction=False)
     for job_id in job_ids:
-        pipe.hmget(JobStore.key(job_id), *TIMELINE_FIELDS)
+        pipe.hmget(JobStore.key(job_id), *names)
+    replies = pipe.execute()
+    client.close()
+    return [r[0] for r in replies] if len(names) == 1 else replies
+
+
+def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Path,
+                   views: dict[str, Any], trajectories: dict[str, Any]) -> None:
+    """Each job's stage timestamps, in seconds since the submission began, its timings and the
+    latency of each of its turns (one JSON line per job, after a first line with the start time)."""
     with path.open("w") as out:
         out.write(json.dumps({"started_at": started_at}) + "\n")
-        for job_id, values in zip(job_ids, pipe.execute()):
+        for job_id, values in zip(job_ids, read_fields(stack, job_ids, *TIMELINE_FIELDS)):
             view, trajectory = views.get(job_id), trajectories.get(job_id)
             out.write(json.dumps({
                 "job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
@@ -305,6 +312,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     fetch_started = time.monotonic()
     trajectories = fetch_trajectories(client, job_ids)
     fetch_s = time.monotonic() - fetch_started
+    init_started = dict(zip(job_ids, (float(v or "nan") for v in read_fields(stack, job_ids, "init_start"))))
     if args.timeline:
         path = Path(args.timeline)
         if round_number:
@@ -330,7 +338,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         first_excess.extend(t.latency_s - args.delay_s for t in calls[:1])
         # the issue's "queued": from the trainer's submit call to the job's init start (the gateway
         # stamps created_at when it writes the job, which for the last jobs of a bulk is later)
-        queued.append(view.created_at + view.timings.waits_s.get("init", 0.0) - started_at)
+        queued.append(init_started[view.job_id] - started_at)
         tokens.append(len(trajectory.prompt_ids) + len(trajectory.response_ids))
     ideal_s = args.turns * args.delay_s
     return {
