@@ -114,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     script = Script(args.tokenizer, args.turns, args.tool, json.loads(args.tool_args), args.finish_answer,
                     args.filler_tokens)
-    asyncio.run(serve(script, args.host, args.port, args.delay_s))
+    try:  # libuv's event loop: the simulated server shares the machine with the service it measures
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(script, args.host, args.port, args.delay_s))
+    else:
+        uvloop.run(serve(script, args.host, args.port, args.delay_s))
     return 0
 
 
