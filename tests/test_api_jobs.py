@@ -110,7 +110,7 @@ def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_wr
         service, monkeypatch):
     from rollout_service.schemas import JobRequest
     from rollout_service.settings import Settings
-    from rollout_service.store import JobStore
+    from rollout_service.store import JOB_INDEX, JobStore
 
     class FailingThirdWrite(JobStore):
         writes = 0
@@ -134,6 +134,18 @@ def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_wr
     with pytest.raises(ConnectionError):
         api_jobs.create_streaming(FailingThirdWrite(service.redis(), jobs.settings), requests, message_jobs=4)
     assert len(enqueued) == 2 and all(jobs.status(j).value == "cancelled" for ids in enqueued for j in ids)
+
+    def broker_down_at_second_message(job_ids):
+        if enqueued:
+            raise ConnectionError("broker went away")
+        enqueued.append(job_ids)
+
+    enqueued.clear()
+    monkeypatch.setattr(api_jobs, "enqueue", broker_down_at_second_message)
+    with pytest.raises(ConnectionError):
+        api_jobs.create_streaming(jobs, requests, message_jobs=4)
+    written = jobs.redis.zrange(JOB_INDEX, -9, -1)  # the last 9 jobs written: 5 enqueued, 4 not
+    assert len(enqueued[0]) == 5 and all(jobs.status(j.decode()).value == "cancelled" for j in written)
 
 
 @pytest.mark.parametrize("route, body, fragment", [

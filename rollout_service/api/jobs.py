@@ -98,8 +98,8 @@ def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: i
             part.append(job)
             if sum(r.n for r in part) >= message_jobs or number == len(requests):
                 made = jobs.create_many(part)
+                created += made  # before enqueueing: jobs written but never enqueued are cancelled too
                 enqueue([job_id for job_ids, _ in made for job_id in job_ids])
-                created += made
                 part = []
     except Exception:
         for job_ids, _ in created:
