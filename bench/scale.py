@@ -312,7 +312,10 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     fetch_started = time.monotonic()
     trajectories = fetch_trajectories(client, job_ids)
     fetch_s = time.monotonic() - fetch_started
-    init_started = dict(zip(job_ids, (float(v or "nan") for v in read_fields(stack, job_ids, "init_start"))))
+    starts = read_fields(stack, job_ids, "init_start", "run_start")
+    init_started = {job_id: float(init or "nan") for job_id, (init, _) in zip(job_ids, starts)}
+    # when each episode began, from the trainer's submit call: the last one bounds the wall time
+    run_started = [float(run) - started_at for _, run in starts if run is not None]
     if args.timeline:
         path = Path(args.timeline)
         if round_number:
@@ -352,6 +355,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
             "first_p50": round(pct(first_excess, 0.5) * 1000, 2),
             "later_p50": round(pct(call_excess, 0.5) * 1000, 2), "later_p99": round(pct(call_excess, 0.99) * 1000, 2)},
         "queued_s": {"p50": round(pct(queued, 0.5), 3), "max": round(max(queued, default=float("nan")), 3)},
+        "episode_start_s": {"p50": round(pct(run_started, 0.5), 3), "max": round(max(run_started, default=float("nan")), 3)},
         "wait_before_s": {stage: {"p50": round(pct(w, 0.5), 3), "max": round(max(w, default=float("nan")), 3)}
                           for stage in ("init", "run", "eval")
                           for w in [[v.timings.waits_s.get(stage, 0.0) for v in views if v.timings.waits_s]]},
@@ -376,6 +380,8 @@ def report(r: dict[str, Any], round_number: int) -> None:
     excess = r["llm_call_excess_ms"]
     print(f"  LLM call beyond the server's delay: first call p50 {excess['first_p50']} ms, later calls "
           f"p50 {excess['later_p50']} ms, p99 {excess['later_p99']} ms")
+    print(f"  episodes began (submit to run start) p50 {r['episode_start_s']['p50']} s, "
+          f"max {r['episode_start_s']['max']} s")
     print(f"  queued (submit to init start) p50 {r['queued_s']['p50']} s, max {r['queued_s']['max']} s; "
           f"stage p50 {r['stage_p50_s']}")
     print(f"  wait before each stage: {r['wait_before_s']}")
