@@ -141,6 +141,10 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+def niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def processes_with(environment_entry: str) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
@@ -185,10 +189,9 @@ def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and
             assert time.monotonic() < deadline, run_workers
             time.sleep(0.3)
         started = processes_with(f"ROLLOUT_STATE_DIR={state}")
-        niceness = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) for pid in started
-                    if b"flower" in Path(f"/proc/{pid}/cmdline").read_bytes()}
-        assert niceness and set(niceness.values()) == {FLOWER_NICENESS}, niceness  # monitoring yields to rollouts
-        assert any(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 0 for pid in started)
+        flower = {pid: niceness(pid) for pid in started if b"flower" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+        assert flower and set(flower.values()) == {FLOWER_NICENESS}, flower  # monitoring yields to rollouts
+        assert any(niceness(pid) == 0 for pid in started)
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
