@@ -21,9 +21,9 @@ import asyncio
 import json
 import sys
 from array import array
+from pathlib import Path
 
 import orjson
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
