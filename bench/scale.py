@@ -121,14 +121,18 @@ class Stack:
         self.process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference", *workers,
                                          "--init-workers", str(self.init_workers)],
                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"rollout-service up exited:\n{(self.state / 'up.log').read_text()[-3000:]}")
-            if b"is up" in (self.state / "up.log").read_bytes():
-                return self
-            time.sleep(0.3)
-        raise SystemExit(f"rollout-service up not ready in 180 s:\n{(self.state / 'up.log').read_text()[-3000:]}")
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise SystemExit(f"rollout-service up exited:\n{(self.state / 'up.log').read_text()[-3000:]}")
+                if b"is up" in (self.state / "up.log").read_bytes():
+                    return self
+                time.sleep(0.3)
+            raise SystemExit(f"rollout-service up not ready in 180 s:\n{(self.state / 'up.log').read_text()[-3000:]}")
+        except BaseException:  # not up (or the bench was killed meanwhile): stop what did start
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         if self.process and self.process.poll() is None:
@@ -414,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    # a killed bench must still stop the stack it started (the with-blocks' exits run on SystemExit)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     r = run(args)
     for number, result in enumerate([r, *r["later_rounds"]], 1):
         report(result, number)
