@@ -6,10 +6,14 @@ import threading
 from typing import Any, Callable
 
 
+GREEN_MODULES = ("socket", "threading", "subprocess")  # what the green code paths rely on gevent for
+
+
 def green_process() -> bool:
-    """Whether gevent has patched this process (run and init workers)."""
+    """Whether gevent has patched this process (run and init workers: ``monkey.patch_all()``); a
+    process that never imported gevent is not green."""
     gevent_monkey = sys.modules.get("gevent.monkey")
-    return gevent_monkey is not None and gevent_monkey.is_module_patched("threading")
+    return gevent_monkey is not None and all(gevent_monkey.is_module_patched(name) for name in GREEN_MODULES)
 
 
 def in_background(target: Callable[..., Any], *args: Any, name: str) -> Callable[[], Any]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
+from rollout_service.green import green_process
 from rollout_service.metrics_recording import record_job_finished
 from rollout_service.schemas import (
     TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Timings, Trajectory,
@@ -155,8 +155,7 @@ def client_class() -> type[redis.Redis]:
     their scripts once."""
     from rollout_service.autopipeline import AutoPipelineRedis, ScriptLoadingRedis
 
-    monkey = sys.modules.get("gevent.monkey")  # a process that never imported gevent is not green
-    return AutoPipelineRedis if monkey is not None and monkey.is_module_patched("socket") else ScriptLoadingRedis
+    return AutoPipelineRedis if green_process() else ScriptLoadingRedis
 
 
 _scripts: dict[tuple[int, str], Script] = {}
