@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -227,8 +227,8 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
 TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
 
 
-def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[Any]:
-    """The jobs' record fields straight from the service's Redis (HMGET per job, one pipeline)."""
+def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[Optional[bytes]]]:
+    """Each job's record fields ``names`` straight from the service's Redis (HMGET per job, one pipeline)."""
     import redis
 
     from rollout_service.store import JobStore
@@ -239,16 +239,17 @@ def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[Any]:
         pipe.hmget(JobStore.key(job_id), *names)
     replies = pipe.execute()
     client.close()
-    return [r[0] for r in replies] if len(names) == 1 else replies
+    return replies
 
 
-def write_timeline(stack: Stack, job_ids: list[str], started_at: float, path: Path,
+def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], started_at: float, path: Path,
                    views: dict[str, Any], trajectories: dict[str, Any]) -> None:
-    """Each job's stage timestamps, in seconds since the submission began, its timings and the
-    latency of each of its turns (one JSON line per job, after a first line with the start time)."""
+    """Each job's stage timestamps (``stamps``: its TIMELINE_FIELDS), in seconds since the submission
+    began, its timings and the latency of each of its turns (one JSON line per job, after a first
+    line with the start time)."""
     with path.open("w") as out:
         out.write(json.dumps({"started_at": started_at}) + "\n")
-        for job_id, values in zip(job_ids, read_fields(stack, job_ids, *TIMELINE_FIELDS)):
+        for job_id, values in zip(job_ids, stamps):
             view, trajectory = views.get(job_id), trajectories.get(job_id)
             out.write(json.dumps({
                 "job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
@@ -316,15 +317,16 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     fetch_started = time.monotonic()
     trajectories = fetch_trajectories(client, job_ids)
     fetch_s = time.monotonic() - fetch_started
-    starts = read_fields(stack, job_ids, "init_start", "run_start")
-    init_started = {job_id: float(init or "nan") for job_id, (init, _) in zip(job_ids, starts)}
+    stamps = read_fields(stack, job_ids, *TIMELINE_FIELDS)
+    init_at, run_at = TIMELINE_FIELDS.index("init_start"), TIMELINE_FIELDS.index("run_start")
+    init_started = {job_id: float(values[init_at] or "nan") for job_id, values in zip(job_ids, stamps)}
     # when each episode began, from the trainer's submit call: the last one bounds the wall time
-    run_started = [float(run) - started_at for _, run in starts if run is not None]
+    run_started = [float(values[run_at]) - started_at for values in stamps if values[run_at] is not None]
     if args.timeline:
         path = Path(args.timeline)
         if round_number:
             path = path.with_name(f"{path.stem}.round{round_number + 1}{path.suffix}")
-        write_timeline(stack, job_ids, started_at, path, dict(zip(job_ids, views)), trajectories)
+        write_timeline(job_ids, stamps, started_at, path, dict(zip(job_ids, views)), trajectories)
     statuses: dict[str, int] = {}
     errors: dict[str, int] = {}
     for view in views:
