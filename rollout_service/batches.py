@@ -47,6 +47,7 @@ from rollout_service.schemas import (
     FinishReason, GroupRollout, JobRequest, JobStatus,
 )
 from rollout_service.store import PREFIX, JobStore, as_text, new_id
+from rollout_service.tasks import first_stage
 
 STALE_RESERVATION_S = 30.0  # a reservation this old lost its creator: heal re-creates its jobs
 STALE_CANCEL_S = 10.0
@@ -56,7 +57,7 @@ MAX_WAIT_S = 30.0
 POLL_S = 0.05
 WIRE_EXCLUDES = {"groups": {"__all__": {"rollouts": {"__all__": {"trajectory"}}}}}  # the SDK fills them in
 
-Enqueue = Callable[[list[str]], None]
+Enqueue = Callable[[list[str], str], None]  # job ids, the stage they start at
 Cancel = Callable[[str], None]
 
 # ARGV[1] batch key, ARGV[2] now, ARGV[3] ttl; scripts add their own arguments after these.
@@ -419,10 +420,10 @@ def cancel_member(jobs: JobStore, job_id: str) -> None:
         jobs.cancel(job_id, announce=False)
 
 
-def enqueue_jobs(job_ids: list[str]) -> None:
+def enqueue_jobs(job_ids: list[str], stage: str) -> None:
     from workers import dispatch
 
-    dispatch.enqueue_jobs(job_ids)
+    dispatch.enqueue_jobs(job_ids, stage)
 
 
 class BatchControl:
@@ -498,7 +499,7 @@ class BatchControl:
             request = JobRequest.model_validate({**job_fields, "task": task, "n": 1 if slot else group_size})
             job_ids, _ = self.jobs.create_jobs(request, group_id=group_id, batch_id=batch_id)
             if self.batches.attach(batch_id, group_id, slot, job_ids):
-                self.enqueue(job_ids)
+                self.enqueue(job_ids, first_stage(request, self.jobs.settings))
             else:  # someone else filled it, or the batch is over: these were never enqueued
                 for job_id in job_ids:
                     self.jobs.transition(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value,

@@ -27,6 +27,7 @@ from rollout_service.schemas import (
     TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Timings, Trajectory,
 )
 from rollout_service.settings import Settings, get_settings
+from rollout_service.tasks import first_stage
 
 
 def _remember_redis_version() -> None:
@@ -87,15 +88,19 @@ return 1
 
 # Everything a stage checks and records before its body, in one round trip.
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
-# attempts field, start field, now, end field (a stage that already ended never runs again).
+# attempts field, start field, now, end field (a stage that already ended never runs again),
+# a status the stage may also begin from ('' none) and the field stamped then (the run stage of a
+# job that skipped init: it begins from queued and stamps init_start).
 _BEGIN_STAGE = """
 local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8])
 if not f[1] then return {'missing'} end
-if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2]) or f[5] then return {'skip', f[1]} end
+local skipped = f[1] == ARGV[9]
+if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
 if f[2] == '1' then return {'cancelled'} end
 if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
 local attempts = redis.call('HINCRBY', KEYS[1], ARGV[5], 1)
 redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7])
+if skipped then redis.call('HSET', KEYS[1], ARGV[10], ARGV[7]) end
 return {'ok', f[3], attempts, f[4] or '0'}
 """
 
@@ -264,15 +269,15 @@ class JobStore:
             blob = pack(request.model_copy(update={"n": 1}).model_dump(mode="json"))
             deadline_s = request.timeouts.job_s or self.settings.job_deadline_s
             job_ids = [new_id("job") for _ in range(request.n)]
+            fields: dict[str, Any] = {"status": JobStatus.queued.value, "group_id": gid, "batch_id": batch_id,
+                                      "created_at": now, "deadline_at": now + deadline_s,
+                                      "domain": request.task["domain"], "metadata": json.dumps(request.metadata),
+                                      "first_stage": first_stage(request, self.settings)}
+            if fields["first_stage"] == "run" and request.agent.harness is None:
+                fields["first_call_model"] = request.sampling.model or ""  # what init records for the others
             for index, job_id in enumerate(job_ids):
                 seq += 1
-                pipe.hset(self.key(job_id), mapping={
-                    "rollout_index": index,
-                    "status": JobStatus.queued.value, "group_id": gid, "batch_id": batch_id,
-                    "created_at": now, "deadline_at": now + deadline_s,
-                    "domain": request.task["domain"],
-                    "metadata": json.dumps(request.metadata),
-                })
+                pipe.hset(self.key(job_id), mapping={"rollout_index": index, **fields})
                 pipe.expire(self.key(job_id), ttl)
                 pipe.set(self.key(job_id, "request"), blob, ex=ttl)
                 index_entries[job_id] = seq
@@ -529,13 +534,18 @@ class JobStore:
 
     # -- stages: one round trip in, one out ---------------------------------------------
     def begin_stages(self, job_ids: list[str], stage: str, previous: JobStatus, status: JobStatus, owner: str,
-                     reads: tuple[str, ...] = ()) -> list[tuple[str, list[str], dict[str, Optional[bytes]]]]:
+                     reads: tuple[str, ...] = (), skipping: Optional[tuple[JobStatus, str]] = None,
+                     ) -> list[tuple[str, list[str], dict[str, Optional[bytes]]]]:
         """For each job: check it may enter ``stage``, take its lease, count the delivery and set its
         status: ``("ok", [deadline_at, attempts, rollout_index], blobs)``, or ``("skip", [status])``,
         ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``; ``blobs`` holds the packed
-        blobs named in ``reads``. One round trip for all the jobs."""
+        blobs named in ``reads``. ``skipping``: (status, field) — a job in that status may enter too
+        (it skipped the stage before), and the field is stamped with the begin. One round trip for
+        all the jobs."""
+        also_from, stamp = skipping or (None, "")
         args = [previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
-                f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end"]
+                f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end",
+                also_from.value if also_from else "", stamp]
         pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
         for job_id in job_ids:
             self._begin_stage(keys=[self.key(job_id), self.key(job_id, "lease")], args=args, client=pipe)

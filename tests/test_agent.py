@@ -138,6 +138,6 @@ def test_the_job_deadline_cuts_a_slow_llm_call_and_the_job_ends_timed_out_with_i
     job_id, = client.submit(math_task(problem), timeouts={"job_s": 6}).job_ids
     view, = client.wait([job_id], timeout_s=60)
     assert time.monotonic() - started < 15
-    assert view.status.value == "timed_out" and view.finish_reason.value == "deadline"
+    assert view.status.value == "timed_out" and view.finish_reason.value == "deadline", view.error
     trajectory = client.trajectory(job_id)
     assert trajectory.truncated and [t.kind for t in trajectory.turns] == ["generation", "observation"]

@@ -25,7 +25,7 @@ def test_jobs_travel_in_messages_of_at_most_the_batch_size_counted_queued_then_u
         from workers.celery_app import app
 
         broker = redis.Redis.from_url(app.conf.broker_url)
-        dispatch.enqueue_jobs(["job-a", "job-b", "job-c", "job-d", "job-e"])
+        dispatch.enqueue_jobs(["job-a", "job-b", "job-c", "job-d", "job-e"], "init")
         dispatch.enqueue_from("job-f", "run")
         before = dispatch.queue_lengths(broker)
         with app.connection_for_read() as connection:  # a consumer takes one message and does not ack it
@@ -55,7 +55,7 @@ def test_messages_present_finds_jobs_inside_batched_messages_across_scan_chunks_
 
         broker = redis.Redis.from_url(app.conf.broker_url)
         dispatch.SCAN_CHUNK = 4  # many chunks for a few messages
-        dispatch.enqueue_jobs([f"job-{i:03d}" for i in range(40)])  # 14 messages of up to 3 jobs
+        dispatch.enqueue_jobs([f"job-{i:03d}" for i in range(40)], "init")  # 14 messages of up to 3 jobs
         with app.connection_for_read() as connection:  # one delivered, not acked: it sits in unacked
             queue = connection.SimpleQueue("init", no_ack=False)
             delivered = queue.get(timeout=5).headers[dispatch.JOBS_HEADER]

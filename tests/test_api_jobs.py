@@ -2,6 +2,7 @@
 bulk submit, long-poll wait, listing with filters, many trajectories at once."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -122,20 +123,26 @@ def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_wr
             return super().create_many(requests, group_id, batch_id)
 
     enqueued: list[list[str]] = []
-    monkeypatch.setattr(api_jobs, "enqueue", lambda job_ids: enqueued.append(job_ids))  # nothing runs them
+    stages: list[str] = []
+    monkeypatch.setattr(api_jobs, "enqueue", lambda job_ids, stage: (enqueued.append(job_ids), stages.append(stage)))
     requests = [JobRequest(task=math_task("1+1"), n=n) for n in (3, 2, 4, 1, 5, 2)]
     jobs = JobStore(service.redis(), Settings.from_env(service.env))
 
     made = api_jobs.create_streaming(jobs, requests[:4], message_jobs=4)
     assert [len(ids) for ids, _ in made] == [3, 2, 4, 1]
     assert enqueued == [made[0][0] + made[1][0], made[2][0], made[3][0]]  # each message once it holds 4 jobs
+    assert stages == ["run"] * 3  # math prepares cheaply: its jobs skip init (tasks.first_stage)
+    stages.clear()
+    api_jobs.create_streaming(JobStore(jobs.redis, dataclasses.replace(jobs.settings, init_in_run=False)),
+                              requests[:1], message_jobs=4)
+    assert stages == ["init"]
 
     enqueued.clear()
     with pytest.raises(ConnectionError):
         api_jobs.create_streaming(FailingThirdWrite(service.redis(), jobs.settings), requests, message_jobs=4)
     assert len(enqueued) == 2 and all(jobs.status(j).value == "cancelled" for ids in enqueued for j in ids)
 
-    def broker_down_at_second_message(job_ids):
+    def broker_down_at_second_message(job_ids, stage):
         if enqueued:
             raise ConnectionError("broker went away")
         enqueued.append(job_ids)

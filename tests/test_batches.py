@@ -35,7 +35,7 @@ class Simulation:
     def __init__(self, client: redis.Redis, outcome: Outcome) -> None:
         self.jobs = JobStore(client, Settings())
         self.queue: "queue.Queue[str]" = queue.Queue()
-        self.control = BatchControl(self.jobs, enqueue=lambda ids: [self.queue.put(j) for j in ids])
+        self.control = BatchControl(self.jobs, enqueue=lambda ids, stage: [self.queue.put(j) for j in ids])
         self.outcome = outcome
         self.finished_in_group: dict[str, int] = {}
         self.lock = threading.Lock()

@@ -60,6 +60,25 @@ def test_a_math_job_completes_with_reward_timings_and_an_exact_trajectory(client
     assert tool_message["content"].strip() == "4"
 
 
+def test_a_math_job_skips_the_init_queue_and_its_run_worker_prepares_it_with_a_model_registered_just_now(
+        client, scripted_backend, service):
+    problem = f"Skip init ({uuid.uuid4().hex[:6]})"
+    script = {"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]}
+    scripted_backend(script, "vllm", "first-model")
+    warm, = client.submit(math_task(problem), sampling={"model": "first-model"}).job_ids
+    client.wait([warm], timeout_s=60)  # the run worker has read the backends it prepares with
+    late = scripted_backend(script, "vllm", "late-model")
+    job_id, = client.submit(math_task(problem), sampling={"model": "late-model"}).job_ids
+    view, = client.wait([job_id], timeout_s=60)
+
+    assert view.status.value == "completed" and view.backend_id == late.id, view.error
+    fields = {k.decode(): v.decode() for k, v in service.redis().hgetall(f"rollout:job:{job_id}").items()}
+    assert fields["first_stage"] == "run" and "attempts_init" not in fields and fields["attempts_run"] == "1"
+    stamps = [float(fields[f]) for f in ("created_at", "init_start", "init_end", "run_start", "run_end")]
+    assert stamps == sorted(stamps)
+    assert_trajectory_is_exactly_what_the_server_returned(client.trajectory(job_id), server_log(late.url))
+
+
 def test_a_wrong_answer_scores_zero_and_a_plain_text_answer_ends_with_no_tool_call(client, scripted_backend):
     problem = f"What is 2 + 3? ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": ["I believe it is \\boxed{6}."]}]})

@@ -94,7 +94,7 @@ def test_stage_messages_the_broker_lost_are_sent_again_and_waiting_ones_are_not_
         tmp_path, scripted_server, tiny_tokenizer_dir):
     problem = f"Lost message ({uuid.uuid4().hex[:6]})"
     url = scripted_server({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
-    with running_service(tmp_path / "svc", ROLLOUT_LEASE_TTL_S="2",
+    with running_service(tmp_path / "svc", ROLLOUT_LEASE_TTL_S="2", ROLLOUT_INIT_IN_RUN="0",  # math goes through init
                          ROLLOUT_BACKEND_PROBE_INTERVAL_S="1") as service, service.client() as client:
         client.add_backend(url, "vllm", "steady", tokenizer=str(tiny_tokenizer_dir))
         redis = service.redis()
@@ -118,3 +118,25 @@ def test_stage_messages_the_broker_lost_are_sent_again_and_waiting_ones_are_not_
         log = service.log("worker-control")
         assert f"job {between_stages} lost its run message" in log and f"job {queued} lost its init message" in log
         assert waiting not in log
+
+
+def test_a_job_that_skips_init_and_loses_its_run_message_is_sent_to_run_again(
+        tmp_path, scripted_server, tiny_tokenizer_dir):
+    problem = f"Lost first message ({uuid.uuid4().hex[:6]})"
+    url = scripted_server({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
+    with running_service(tmp_path / "svc", ROLLOUT_LEASE_TTL_S="2",
+                         ROLLOUT_BACKEND_PROBE_INTERVAL_S="1") as service, service.client() as client:
+        client.add_backend(url, "vllm", "steady", tokenizer=str(tiny_tokenizer_dir))
+        redis = service.redis()
+        stop_worker(service, "run")
+        lost, = client.submit(math_task(problem)).job_ids
+        assert redis.llen("init") == 0 and redis.delete("run") == 1  # math starts at run; its message is lost
+        wait_for(lambda: redis.llen("run") >= 1, timeout_s=60, what="housekeeping to send the lost message again")
+        assert redis.llen("init") == 0, "a job that skips init is re-sent to run, where it was enqueued"
+        start_worker(service, "run")
+
+        view, = client.wait([lost], timeout_s=90)
+        assert view.status.value == "completed"
+        fields = redis.hgetall(f"rollout:job:{lost}")
+        assert b"attempts_init" not in fields and fields[b"attempts_run"] == b"1"
+        assert f"job {lost} lost its run message" in service.log("worker-control")

@@ -44,7 +44,7 @@ def housekeeping() -> dict[str, Any]:
     return report
 
 
-ORPHAN_FIELDS = ("status", "created_at", *(field for stage in dispatch.STAGES
+ORPHAN_FIELDS = ("status", "created_at", "first_stage", *(field for stage in dispatch.STAGES
                                            for field in (f"{stage}_start", f"{stage}_end", f"attempts_{stage}")))
 
 
@@ -101,8 +101,8 @@ def recover_orphans(store: JobStore) -> list[str]:
 
 def waiting_stage(fields: dict[str, str]) -> Optional[tuple[str, float, bool]]:
     """The stage the job waits on: (stage, waiting since, whether a worker had started it)."""
-    if fields["status"] == JobStatus.queued.value:
-        return "init", float(fields["created_at"]), False
+    if fields["status"] == JobStatus.queued.value:  # at the stage it was enqueued to (tasks.first_stage)
+        return fields.get("first_stage", "init"), float(fields["created_at"]), False
     stage = STAGE_OF_STATUS.get(fields["status"])
     if stage is None:
         return None

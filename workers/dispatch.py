@@ -87,9 +87,10 @@ def send_stage(stage: str, job_ids: Sequence[str]) -> None:
                           headers={JOBS_HEADER: marks})
 
 
-def enqueue_jobs(job_ids: Iterable[str]) -> None:
-    """Start jobs at init; each stage hands them on to the next."""
-    send_stage("init", list(job_ids))
+def enqueue_jobs(job_ids: Iterable[str], stage: str) -> None:
+    """Start jobs at ``stage`` (``tasks.first_stage``: init, or run for domains that prepare
+    cheaply); each stage hands them on to the next."""
+    send_stage(stage, list(job_ids))
 
 
 def enqueue_from(job_id: str, stage: str) -> None:

@@ -18,11 +18,15 @@ def init_jobs(job_ids: list[str]) -> None:
     """The batch's jobs one after the other with no Redis round trip of their own (the stage reads
     and writes for all of them at once), so concurrent batches finish in turn instead of together."""
     backends: list[BackendView] = []  # read once per batch
-    run_stage_jobs(job_ids, "init", lambda ctx: prepare_job(ctx, backends))
+    def prepare(ctx: StageContext) -> None:
+        request = JobRequest.model_validate(ctx.blob("request"))
+        ctx.results["prepared"] = prepare_job(ctx, request, backends).model_dump(mode="json")
+    run_stage_jobs(job_ids, "init", prepare)
 
 
-def prepare_job(ctx: StageContext, backends: list[BackendView]) -> None:
-    request = JobRequest.model_validate(ctx.blob("request"))
+def prepare_job(ctx: StageContext, request: JobRequest, backends: list[BackendView]) -> Prepared:
+    """Handler, workspace and prompt ids; ``backends`` is filled if empty. Init runs it, and run
+    for a job that skipped init (``tasks.first_stage``)."""
     handler = get_handler(request.task["domain"])
     if not backends:
         backends += BackendPool(ctx.store.redis).list()
@@ -41,10 +45,10 @@ def prepare_job(ctx: StageContext, backends: list[BackendView]) -> None:
     prompt_ids = renderer_for(tokenizer).initial_prompt(messages, tool_schemas(tools))
     if request.agent.harness is None:  # run may send its first call with the stage's begin (a sandbox boots meanwhile)
         ctx.end_fields["first_call_model"] = model
-    ctx.results["prepared"] = Prepared(
+    return Prepared(
         prompt_ids=prompt_ids, messages=messages, tools=list(tools), model=model, tokenizer=tokenizer,
         workspace=str(workspace), image=prepared.image, extra=prepared.extra,
-    ).model_dump(mode="json")
+    )
 
 
 def resolve_model(backends: list[BackendView], model: str | None) -> tuple[str, str]:

@@ -13,7 +13,7 @@ from rollout_service.llm import PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
 from rollout_service.sandbox.base import BackgroundStart
-from rollout_service.schemas import FinishReason, JobRequest, JobStatus, Prepared
+from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from rollout_service.tasks import get_handler, restore_workspace
@@ -21,6 +21,7 @@ from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
+from workers.init import prepare_job
 from workers.stage import Slots, StageContext, job_store, run_stage_jobs
 
 slots = Slots()
@@ -56,9 +57,23 @@ def run_jobs(job_ids: list[str]) -> None:
         join()
 
 
+def prepare_skipped(ctx: StageContext, request: JobRequest, first_call: list[FirstCall]) -> Prepared:
+    """What init prepares, for a job that skipped it. The model and its tokenizer come from the
+    grant of the job's first call (sent with the stage's begin, answered in the same round trip);
+    without one (a harness job, a weight sync, a cancel), from the registered backends."""
+    granted = first_call[0]()[0] if first_call else "later"
+    backends = [granted] if isinstance(granted, BackendView) else BackendPool(ctx.store.redis).list()
+    return prepare_job(ctx, request, backends)
+
+
 def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall]) -> None:
     store, job_id, settings = ctx.store, ctx.job_id, ctx.settings
-    request, prepared = JobRequest.model_validate(ctx.blob("request")), Prepared.model_validate(ctx.blob("prepared"))
+    request = JobRequest.model_validate(ctx.blob("request"))
+    if ctx.blobs.get("prepared") is None:  # the job skipped init (tasks.first_stage): prepare it here
+        prepared = prepare_skipped(ctx, request, first_call)
+        ctx.end_fields["init_end"] = ctx.end_fields["run_start"] = time.time()
+    else:
+        prepared = Prepared.model_validate(ctx.blob("prepared"))
     handler = get_handler(request.task["domain"])
     sampling = request.sampling.model_copy(update={"model": prepared.model})
     if sampling.seed is not None:  # rollouts of a group must not replay one sample

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 STAGE_STATUS = {"init": JobStatus.initializing, "run": JobStatus.running, "eval": JobStatus.evaluating}
 PREVIOUS_STATUS = {"init": JobStatus.queued, "run": JobStatus.initializing, "eval": JobStatus.running}
+# a job of a domain that prepares cheaply skips init: run begins it from queued and stamps init_start
+BEGINS_SKIPPING = {"run": (JobStatus.queued, "init_start")}
 STAGE_READS = {"init": ("request",), "run": ("request", "prepared"), "eval": ("request", "artifact", "trajectory")}
 Begun = tuple[str, list[str], dict[str, Optional[bytes]]]  # JobStore.begin_stages, per job
 
@@ -175,7 +177,7 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
     them all; the jobs still live go on to the next stage. Returns those, once published there."""
     store, owner = job_store(), new_owner()
     begun = store.begin_stages(list(job_ids), name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner,
-                               STAGE_READS[name])
+                               STAGE_READS[name], BEGINS_SKIPPING.get(name))
     ended: list[StageEnd] = []
     for job_id, answer in zip(job_ids, begun):
         try:

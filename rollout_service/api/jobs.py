@@ -21,7 +21,7 @@ from rollout_service.schemas import (
     Trajectory, WaitRequest, WaitResponse,
 )
 from rollout_service.store import FINISHED_CHANNEL, JobStore, new_id, unpack
-from rollout_service.tasks import get_handler
+from rollout_service.tasks import first_stage, get_handler
 from rollout_service.toolcalls import PARSERS
 
 blueprint = Blueprint("jobs", __name__)
@@ -81,10 +81,10 @@ def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str
     return response, False
 
 
-def enqueue(job_ids: list[str]) -> None:
+def enqueue(job_ids: list[str], stage: str) -> None:
     from workers import dispatch
 
-    dispatch.enqueue_jobs(job_ids)
+    dispatch.enqueue_jobs(job_ids, stage)
 
 
 def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: int) -> list[tuple[list[str], str]]:
@@ -99,7 +99,11 @@ def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: i
             if sum(r.n for r in part) >= message_jobs or number == len(requests):
                 made = jobs.create_many(part)
                 created += made  # before enqueueing: jobs written but never enqueued are cancelled too
-                enqueue([job_id for job_ids, _ in made for job_id in job_ids])
+                starts: dict[str, list[str]] = {}
+                for asked, (job_ids, _) in zip(part, made):
+                    starts.setdefault(first_stage(asked, jobs.settings), []).extend(job_ids)
+                for stage, job_ids in starts.items():
+                    enqueue(job_ids, stage)
                 part = []
     except Exception:
         for job_ids, _ in created:
@@ -119,7 +123,7 @@ def submit() -> Response:
 
     def make() -> dict[str, Any]:
         job_ids, group_id = store().create_jobs(job)
-        enqueue(job_ids)
+        enqueue(job_ids, first_stage(job, store().settings))
         return {"job_ids": job_ids, "group_id": group_id}
 
     return reply(idempotent("", make)[0], 202)

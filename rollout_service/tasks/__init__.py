@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from rollout_service.errors import UnknownName, ValidationError
-from rollout_service.schemas import ScoreResponse
+from rollout_service.schemas import JobRequest, ScoreResponse
+from rollout_service.settings import Settings
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Prepared:
 
 class DomainHandler(Protocol):
     name: str
+    prepares_cheaply: bool  # prepare is pure or writes a file or two: the run stage does it (no init hop)
 
     def validate(self, task: dict[str, Any]) -> None: ...
 
@@ -64,6 +66,13 @@ def _handlers() -> dict[str, DomainHandler]:
 
 
 HANDLERS: dict[str, DomainHandler] = _handlers()
+
+
+def first_stage(request: JobRequest, settings: Settings) -> str:
+    """The queue a job starts on: ``run`` when its domain prepares cheaply (the run worker prepares
+    it before the episode, sparing a Celery hop and a Redis round trip), else ``init``."""
+    cheap = getattr(get_handler(request.task["domain"]), "prepares_cheaply", False)
+    return "run" if cheap and settings.init_in_run else "init"
 
 
 def get_handler(domain: str) -> DomainHandler:

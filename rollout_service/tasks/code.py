@@ -74,6 +74,7 @@ def is_humaneval(task: dict[str, Any]) -> bool:
 
 class CodeHandler:
     name = "code"
+    prepares_cheaply = True
     tools = ("bash", "ipython", "editor", "finish")
 
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ SYSTEM_PROMPT = (
 
 class MathHandler:
     name = "math"
+    prepares_cheaply = True
     tools = ("ipython", "finish")
 
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:

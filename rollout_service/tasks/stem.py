@@ -84,6 +84,7 @@ def gold_letter(task: dict[str, Any]) -> str:
 
 class StemHandler:
     name = "stem"
+    prepares_cheaply = True
 
     def validate(self, task: dict[str, Any]) -> None:
         require(task, "question", str, self.name)

@@ -157,6 +157,7 @@ def clear_directory(path: Path) -> None:
 
 class SweHandler:
     name = "swe"
+    prepares_cheaply = False
     tools = ("bash", "editor", "finish")
 
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
