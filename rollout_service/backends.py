@@ -261,6 +261,31 @@ return 1
 """
 
 
+# A run worker's call gate (llm.CallGate): its lease to start calls without a round trip each.
+# ARGV: prefix, owner, lease ms. Refused while paused; else the gate is open until Redis time + lease.
+_RENEW_GATE = _LUA_KEYS + """
+if redis.call('EXISTS', key('paused')) == 1 then return {'paused'} end
+local t = redis.call('TIME')
+redis.call('ZADD', key('gates'), t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3]), ARGV[2])
+return {'ok', version()}
+"""
+
+_RELEASE_GATE = _LUA_KEYS + "return redis.call('ZREM', key('gates'), ARGV[2])"
+
+_OPEN_GATES = _LUA_KEYS + """
+local t = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', key('gates'), '-inf', t[1] * 1000 + math.floor(t[2] / 1000))
+return redis.call('ZCARD', key('gates'))
+"""
+
+# A call started under an open gate: count it in flight; answer the cancel flag (of the job hash
+# ARGV[3]) and the backend the job is assigned to now. ARGV: prefix, job, job hash key.
+_COUNT_CALL = _LUA_KEYS + """
+redis.call('HINCRBY', key('calls'), ARGV[2], 1)
+return {redis.call('HGET', ARGV[3], 'cancel_requested') or '', redis.call('GET', key('job', ARGV[2])) or ''}
+"""
+
+
 def backend_id_for(url: str) -> str:
     """Deterministic id of the backend at ``url`` (same url, same id, in every process)."""
     return "be-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
@@ -273,9 +298,11 @@ class BackendPool:
         self.redis = redis_client
         self.prefix = prefix
         (self._register, self._remove, self._acquire, self._start_call, self._release, self._set_health,
-         self._record_probe, self._reconcile, self._views, self._resume, self._begin_call, self._end_call) = scripts_of(
+         self._record_probe, self._reconcile, self._views, self._resume, self._begin_call, self._end_call,
+         self._renew_gate, self._release_gate, self._open_gates, self._count_call) = scripts_of(
             redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
-            _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL)
+            _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL, _RENEW_GATE, _RELEASE_GATE, _OPEN_GATES,
+            _COUNT_CALL)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, "backend", *parts))
@@ -461,6 +488,28 @@ class BackendPool:
     def end_call(self, job_id: str) -> None:
         """The call is over (a green worker does not wait for the reply: nothing depends on it)."""
         fire(self.redis, self._end_call, args=[self.prefix, job_id])
+
+    def renew_gate(self, owner: str, lease_s: float) -> int | None:
+        """Keep ``owner``'s call gate open for ``lease_s`` more: the policy version, or None while paused."""
+        reply = self._renew_gate(args=[self.prefix, owner, max(int(lease_s * 1000), 1)])
+        return int(as_text(reply[1])) if as_text(reply[0]) == "ok" else None
+
+    def release_gate(self, owner: str) -> None:
+        self._release_gate(args=[self.prefix, owner])
+
+    def open_gates(self) -> int:
+        """Run workers that may still start calls without asking (a pause waits for them too)."""
+        return int(self._open_gates(args=[self.prefix]))
+
+    def count_call_soon(self, job_id: str, job_key: str) -> Callable[[], tuple[bool, str]]:
+        """Count a call started under an open gate, in the next shared round trip; the answer says
+        whether the job is cancelled and which backend it is assigned to (``end_call`` ends it)."""
+        pending = submit(self.redis, self._count_call, args=[self.prefix, job_id, job_key])
+
+        def answer() -> tuple[bool, str]:
+            cancel_flag, assigned = pending()
+            return as_text(cancel_flag) == "1", as_text(assigned)
+        return answer
 
     def inflight_calls(self) -> int:
         return sum(int(count) for count in self.redis.hvals(self._key("calls")))

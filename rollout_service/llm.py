@@ -1,16 +1,22 @@
 """A job's view of the inference pool: sticky backend, weight-sync gate, failover."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
+import socket
+import threading
 import time
 from typing import Callable, Optional
+
+import redis
 
 from rollout_service.agent import EpisodeInterrupted
 from rollout_service.backends import BackendPool, FirstCall
 from rollout_service.errors import (BackendError, BackendTimeout, BackendUnreachable, ContextWindowExceeded,
                                     NoBackendAvailable)
-from rollout_service.inference import InferenceClient, make_client
+from rollout_service.inference import Generation, InferenceClient, make_client
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.trajectory import TrajectoryBuilder
 
@@ -18,6 +24,50 @@ from rollout_service.trajectory import TrajectoryBuilder
 @functools.lru_cache(maxsize=256)
 def client_for(kind: str, url: str, model: str) -> InferenceClient:
     return make_client(kind, url, model)
+
+
+class CallGate:
+    """A green run worker's lease to start its episodes' later LLM calls without a round trip
+    ahead of each (the issue's "no per-turn blocking Redis round trips beyond what correctness
+    needs"). A keeper renews it every third of the lease; a renewal refused by a weight-sync pause
+    closes the gate here first and only then releases it, through the shared pipeline that already
+    carries the counts of the calls started under it, so the pause sees the gate gone only once it
+    sees those calls in flight. Here it counts as open until the renewal's send time plus three
+    quarters of the lease, before Redis's own expiry (a worker that stops renewing)."""
+
+    def __init__(self) -> None:
+        self.open_until = 0.0
+        self.version = 0
+        self._pid = 0
+
+    def version_if_open(self) -> Optional[int]:
+        return self.version if time.monotonic() < self.open_until else None
+
+    def keep(self, client: redis.Redis, lease_s: float) -> None:
+        """Start this process's keeper (once per process)."""
+        if self._pid != os.getpid() and lease_s > 0:
+            self._pid, self.open_until = os.getpid(), 0.0
+            threading.Thread(target=self._renew_forever, args=(BackendPool(client), lease_s),
+                             name="call-gate", daemon=True).start()
+
+    def _renew_forever(self, pool: BackendPool, lease_s: float) -> None:
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        while True:
+            sent = time.monotonic()
+            try:
+                version = pool.renew_gate(owner, lease_s)
+            except Exception:  # a Redis blip: closed until a renewal gets through
+                version = None
+            if version is None:
+                self.open_until = 0.0
+                with contextlib.suppress(Exception):
+                    pool.release_gate(owner)
+            else:
+                self.version, self.open_until = version, sent + 0.75 * lease_s
+            time.sleep(lease_s / 3)
+
+
+CALL_GATE = CallGate()
 
 
 class PooledLLM:
@@ -38,8 +88,14 @@ class PooledLLM:
         self.last_backend_id: Optional[str] = None
         # BackendPool.first_call_soon's answer, if the run worker sent the first call's round trip early
         self.first_call: Optional[FirstCall] = None
+        self.sticky: Optional[BackendView] = None  # the backend of the job's last call, granted the careful way
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
+        version = CALL_GATE.version_if_open()
+        if self.sticky is not None and self.first_call is None and version is not None:
+            ids = self._generate_under_gate(self.sticky, version, prompt_ids, max_new_tokens, record)
+            if ids is not None:
+                return ids
         backend = self._start_call()
         version = backend.policy_version
         # the pool may already have moved the job (its backend failed health probes or was removed)
@@ -48,20 +104,9 @@ class PooledLLM:
             if self._stale(record, version):
                 raise EpisodeInterrupted(FinishReason.stale)
             for _ in range(self.max_moves + 1):
-                client = client_for(backend.kind, backend.url, backend.model)
-                remaining_s = self.deadline_at - time.time()
-                if remaining_s <= 0:
-                    raise EpisodeInterrupted(FinishReason.deadline)
                 try:
-                    gen = client.generate(prompt_ids, self.sampling, max_new_tokens,
-                                          min(self.call_timeout_s, remaining_s))
+                    gen = self._call(backend, prompt_ids, max_new_tokens)
                     break
-                except BackendTimeout:
-                    if time.time() >= self.deadline_at:  # cut by the job's deadline, not a slow server
-                        raise EpisodeInterrupted(FinishReason.deadline) from None
-                    raise
-                except ContextWindowExceeded:  # the server's context is full: a limit, like max_model_len
-                    raise EpisodeInterrupted(FinishReason.context_length) from None
                 except BackendUnreachable as exc:
                     moved_from = moved_from or backend.id
                     backend = self._move(backend, exc)
@@ -69,11 +114,51 @@ class PooledLLM:
                 raise NoBackendAvailable(f"job {self.job_id} lost {self.max_moves + 1} backends in one call")
         finally:
             self.pool.end_call(self.job_id)
-        self.last_backend_id = backend.id
+        self.last_backend_id, self.sticky = backend.id, backend
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
                               finish_reason=gen.finish_reason, latency_s=gen.latency_s,
                               moved_from=moved_from)
         return gen.token_ids
+
+    def _generate_under_gate(self, backend: BackendView, version: int, prompt_ids: list[int],
+                             max_new_tokens: int, record: TrajectoryBuilder) -> Optional[list[int]]:
+        """A later call sent at once to the job's backend while this worker's gate is open: no
+        round trip ahead of it, its count rides the next shared one. None if the job was moved
+        meanwhile or its backend did not answer: the careful way makes the call again."""
+        if self._stale(record, version):
+            raise EpisodeInterrupted(FinishReason.stale)
+        counted = self.pool.count_call_soon(self.job_id, self.job_key)
+        gen = None
+        try:
+            gen = self._call(backend, prompt_ids, max_new_tokens)
+        except BackendUnreachable:
+            pass
+        finally:
+            self.pool.end_call(self.job_id)
+        cancelled, assigned = counted()
+        if cancelled:
+            raise EpisodeInterrupted(FinishReason.cancelled)
+        if gen is None or assigned != backend.id:
+            self.sticky = None
+            return None
+        record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
+                              finish_reason=gen.finish_reason, latency_s=gen.latency_s, moved_from=None)
+        return gen.token_ids
+
+    def _call(self, backend: BackendView, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        """One call to ``backend``; a limit it hits ends the episode, an unreachable server raises."""
+        remaining_s = self.deadline_at - time.time()
+        if remaining_s <= 0:
+            raise EpisodeInterrupted(FinishReason.deadline)
+        try:
+            return client_for(backend.kind, backend.url, backend.model).generate(
+                prompt_ids, self.sampling, max_new_tokens, min(self.call_timeout_s, remaining_s))
+        except BackendTimeout:
+            if time.time() >= self.deadline_at:  # cut by the job's deadline, not a slow server
+                raise EpisodeInterrupted(FinishReason.deadline) from None
+            raise
+        except ContextWindowExceeded:  # the server's context is full: a limit, like max_model_len
+            raise EpisodeInterrupted(FinishReason.context_length) from None
 
     def release(self) -> None:
         if self.first_call is not None:

@@ -302,7 +302,7 @@ class BackendList(BaseModel):
 class PauseState(BaseModel):
     paused: bool
     policy_version: int
-    inflight_calls: Optional[int] = Field(None, description="LLM calls still running (pause only)")
+    inflight_calls: Optional[int] = Field(None, description="LLM calls still running, plus run workers that may still start one without asking (their call gate closes within ROLLOUT_CALL_GATE_LEASE_S of the pause); 0: safe to sync weights (pause only)")
     expires_in_s: Optional[float] = Field(None, description="seconds until the pause lifts by itself (pause only)")
 
 

@@ -52,6 +52,7 @@ class Settings:
     llm_call_timeout_s: float = 300.0
     llm_connect_retries: int = 2
     backend_probe_interval_s: float = 5.0
+    call_gate_lease_s: float = 1.5  # a green run worker starts later calls without a round trip each while its gate lease holds; 0: never
     pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
     max_turns: int = 20
     max_new_tokens: int = 1024

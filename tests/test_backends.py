@@ -490,3 +490,31 @@ def test_a_first_call_sent_with_the_stage_begin_counts_like_start_call_and_an_un
     redis_client.hset(job_key, "cancel_requested", 1)
     assert pool.first_call_soon("j1", job_key)() == ("cancelled", False)
     assert pool.inflight_calls() == 0
+
+
+def test_a_call_gate_is_refused_while_paused_expires_unless_renewed_and_can_be_released(pool: BackendPool) -> None:
+    assert pool.renew_gate("worker-a", 0.2) == 0 and pool.renew_gate("worker-b", 5.0) == 0
+    assert pool.open_gates() == 2
+    time.sleep(0.3)
+    assert pool.open_gates() == 1  # a's lapsed: a worker that stops renewing stops counting
+    pool.pause(5.0)
+    assert pool.renew_gate("worker-b", 5.0) is None and pool.open_gates() == 1  # refused, not removed
+    pool.release_gate("worker-b")
+    assert pool.open_gates() == 0
+    assert pool.resume(7) == 7 and pool.renew_gate("worker-b", 5.0) == 7
+
+
+def test_a_call_counted_under_a_gate_reports_cancel_and_assignment_and_ends_like_any_call(
+        pool: BackendPool, redis_client: redis.Redis) -> None:
+    backend = pool.register(BackendSpec(url="http://gated:1", kind="vllm", model="m"))
+    pool.acquire("job-1", "m")
+    redis_client.hset("rollout:job:job-1", "cancel_requested", "0")
+    assert pool.count_call_soon("job-1", "rollout:job:job-1")() == (False, backend.id)
+    assert pool.inflight_calls() == 1
+    redis_client.hset("rollout:job:job-1", "cancel_requested", "1")
+    assert pool.count_call_soon("job-1", "rollout:job:job-1")() == (True, backend.id)
+    pool.end_call("job-1")
+    pool.end_call("job-1")
+    pool.release("job-1")
+    assert pool.inflight_calls() == 0 and pool.count_call_soon("job-1", "rollout:job:job-1")() == (True, "")
+    pool.end_call("job-1")

@@ -85,6 +85,30 @@ def test_no_call_starts_while_paused_and_calls_after_resume_carry_the_new_versio
     assert versions[calls_at_pause:] == [new_version] * (len(versions) - calls_at_pause)
 
 
+def test_a_run_worker_keeps_a_call_gate_that_a_pause_closes_at_once_and_a_resume_opens_again(
+        client, scripted_backend, service):
+    from rollout_service.backends import BackendPool
+
+    problem = f"Call gate ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend(slow_script(problem, turns=3, delay_s=0.05), model="gated")
+    job_id, = client.submit(math_task(problem), sampling={"model": "gated"}).job_ids
+    view, = client.wait([job_id], timeout_s=60)
+    assert view.status.value == "completed" and len(server_log(backend.url)) == 3
+    pool = BackendPool(service.redis())
+    assert pool.open_gates() == 1  # the run worker's: its later calls need no round trip ahead of them
+
+    started = time.monotonic()
+    paused = client.pause(wait_s=5)
+    waited_s = time.monotonic() - started
+    try:
+        assert paused["inflight_calls"] == 0 and pool.open_gates() == 0
+        # released by the worker at its next renewal (every 0.5 s), not left to expire (1.0-1.5 s)
+        assert waited_s < 0.9, waited_s
+    finally:
+        client.resume()
+    wait_for(lambda: pool.open_gates() == 1, timeout_s=5, what="the gate to open again")
+
+
 def test_a_pause_the_trainer_never_resumes_lifts_by_itself_and_a_bad_ttl_is_a_400(client, scripted_backend, service):
     problem = f"Abandoned sync ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend(slow_script(problem, turns=3, delay_s=0.1), model="abandoned")

@@ -7,9 +7,9 @@ from typing import Optional
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool, FirstCall
-from rollout_service.green import in_background
+from rollout_service.green import green_process, in_background
 from rollout_service.harness import ChatSession, new_api_key, run_harness
-from rollout_service.llm import PooledLLM
+from rollout_service.llm import CALL_GATE, PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
 from rollout_service.sandbox.base import BackgroundStart
@@ -47,6 +47,8 @@ def run_jobs(job_ids: list[str]) -> None:
                 pool.drop_first_call(job_id, first_call.pop())
             slots.give_back(beyond_first)
 
+    if green_process():
+        CALL_GATE.keep(job_store().redis, get_settings().call_gate_lease_s)
     gap_s = get_settings().episode_start_gap_ms / 1000
     joins = []
     for n, job_id in enumerate(job_ids[:taken]):

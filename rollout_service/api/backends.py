@@ -54,9 +54,12 @@ def pause() -> Response:
     p = pool()
     p.pause(ttl_s)
     deadline = time.monotonic() + wait_s
-    while p.inflight_calls() and time.monotonic() < deadline:
+
+    def inflight() -> int:  # a run worker whose call gate is still open may yet start a call: one more
+        return p.inflight_calls() + p.open_gates()
+    while inflight() and time.monotonic() < deadline:
         time.sleep(0.02)
-    return reply({"paused": True, "inflight_calls": p.inflight_calls(), "policy_version": p.policy_version(),
+    return reply({"paused": True, "inflight_calls": inflight(), "policy_version": p.policy_version(),
                   "expires_in_s": p.pause_expires_in_s()})
 
 
