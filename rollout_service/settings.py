@@ -36,6 +36,7 @@ class Settings:
     run_workers: int = min(CORES, 4)  # run worker processes `up` starts: the run stage is most of the CPU
     eval_concurrency: int = min(2 * CORES, 8)  # prefork children: sandboxed graders mostly wait on the sandbox
     control_concurrency: int = 4
+    score_in_run: bool = True  # a run worker scores what is cheap and certain (tasks.quick_score): no eval hop for it
     init_in_run: bool = True  # jobs of domains that prepare cheaply (math, stem, code) skip the init queue: run prepares them
     stage_batch_max_jobs: int = 32  # jobs per stage message: one Celery task carries many jobs under load
     handoff_window_ms: float = 5.0  # a stage gathers the jobs it hands to the next one for this long

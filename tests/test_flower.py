@@ -16,7 +16,8 @@ from tests.test_pipeline import math_task, tool_call
 def test_flower_shows_every_finished_stage_as_success_for_completed_and_failed_jobs(
         service, client, scripted_backend):
     problem = f"Flower ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [{"match": problem, "turns": [tool_call("finish", answer="\\boxed{4}")]}]})
+    # an answer math-verify must read (not a plain number, which the run worker scores itself) goes to eval
+    scripted_backend({"episodes": [{"match": problem, "turns": [tool_call("finish", answer="\\boxed{\\frac{8}{2}}")]}]})
     port = free_port()
     env = {**service.env, "ROLLOUT_FLOWER_PORT": str(port), "FLOWER_UNAUTHENTICATED_API": "1"}
     flower = subprocess.Popen(flower_command(Settings.from_env(env)), env=env, stdout=subprocess.DEVNULL,

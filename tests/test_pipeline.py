@@ -79,6 +79,24 @@ def test_a_math_job_skips_the_init_queue_and_its_run_worker_prepares_it_with_a_m
     assert_trajectory_is_exactly_what_the_server_returned(client.trajectory(job_id), server_log(late.url))
 
 
+def test_the_run_worker_scores_a_plain_number_itself_and_leaves_an_expression_to_eval(client, scripted_backend, service):
+    problem = f"Scored where ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [
+        {"match": f"{problem} plain", "turns": [tool_call("finish", answer="\\boxed{4}")]},
+        {"match": f"{problem} latex", "turns": [tool_call("finish", answer="\\boxed{\\frac{8}{2}}")]}]})
+    jobs = [client.submit(math_task(f"{problem} {kind}")).job_ids[0] for kind in ("plain", "latex")]
+    views = client.wait(jobs, timeout_s=60)
+
+    assert [(v.status.value, v.reward) for v in views] == [("completed", 1.0)] * 2, [v.error for v in views]
+    assert [client.trajectory(j).reward for j in jobs] == [1.0, 1.0]
+    assert views[0].result["details"]["parsed_by"] == "plain_number" and "parsed_by" not in views[1].result["details"]
+    hashes = [{k.decode(): v.decode() for k, v in service.redis().hgetall(f"rollout:job:{j}").items()} for j in jobs]
+    assert "attempts_eval" not in hashes[0] and hashes[1]["attempts_eval"] == "1"
+    for fields in hashes:
+        stamps = [float(fields[f]) for f in ("run_start", "run_end", "eval_start", "eval_end")]
+        assert stamps == sorted(stamps)
+
+
 def test_a_wrong_answer_scores_zero_and_a_plain_text_answer_ends_with_no_tool_call(client, scripted_backend):
     problem = f"What is 2 + 3? ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": ["I believe it is \\boxed{6}."]}]})
@@ -136,8 +154,12 @@ def test_a_job_for_a_model_no_backend_serves_is_refused_at_submission_naming_the
 
 def test_a_job_whose_model_left_after_submission_fails_and_says_why(client, scripted_backend):
     backend = scripted_backend({"episodes": []}, model="leaving-model")
-    job_id, = client.submit(math_task("2+2?"), sampling={"model": "leaving-model"}).job_ids
-    client.remove_backend(backend.id)
+    client.pause()  # no call starts before the backend leaves (the run worker could otherwise be quicker)
+    try:
+        job_id, = client.submit(math_task("2+2?"), sampling={"model": "leaving-model"}).job_ids
+        client.remove_backend(backend.id)
+    finally:
+        client.resume()
     view, = client.wait([job_id], timeout_s=60)
     assert view.status.value == "failed"
     assert "leaving-model" in view.error.message or "no inference backend" in view.error.message

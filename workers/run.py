@@ -16,7 +16,7 @@ from rollout_service.sandbox.base import BackgroundStart
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
-from rollout_service.tasks import get_handler, restore_workspace
+from rollout_service.tasks import get_handler, quick_score, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
@@ -148,5 +148,12 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
     ctx.end_fields.update(finish_reason=trajectory.finish_reason.value, backend_id=next(
         (t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None))
     ended = {FinishReason.cancelled: JobStatus.cancelled, FinishReason.deadline: JobStatus.timed_out}
+    episode_end = time.time()
     if trajectory.finish_reason in ended:
         ctx.finish_as = (ended[trajectory.finish_reason], dict(ctx.end_fields))
+    elif settings.score_in_run and (scored := quick_score(handler, request.task, artifact)) is not None:
+        ctx.results.update(result={"artifact": artifact, "details": scored.details})  # as eval would
+        ctx.results["trajectory"]["reward"] = scored.reward
+        ctx.end_fields["run_end"] = episode_end  # and no eval hop: the job completes with the run's end
+        ctx.finish_as = (JobStatus.completed, {**ctx.end_fields, "reward": scored.reward,
+                                               "eval_start": episode_end, "eval_end": time.time()})

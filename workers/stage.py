@@ -150,7 +150,7 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
             raise DeadlineExceeded(f"job deadline passed before {name} started; "
                                    "raise timeouts.job_s or add workers for this queue")
         yield ctx
-        end.fields, end.blobs, end.finish = {**ctx.end_fields, f"{name}_end": time.time()}, ctx.results, ctx.finish_as
+        end.fields, end.blobs, end.finish = {f"{name}_end": time.time(), **ctx.end_fields}, ctx.results, ctx.finish_as
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
     except RolloutError as exc:

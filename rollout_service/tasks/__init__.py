@@ -38,6 +38,10 @@ class DomainHandler(Protocol):
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse: ...
 
+    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+        """The score when it is cheap and certain (no parser that might hang, no sandbox), which a
+        run worker gives at the episode's end; None leaves it to the eval stage."""
+
 
 def require(task: dict[str, Any], name: str, kind: type | tuple[type, ...], domain: str) -> Any:
     value = task.get(name)
@@ -73,6 +77,11 @@ def first_stage(request: JobRequest, settings: Settings) -> str:
     it before the episode, sparing a Celery hop and a Redis round trip), else ``init``."""
     cheap = getattr(get_handler(request.task["domain"]), "prepares_cheaply", False)
     return "run" if cheap and settings.init_in_run else "init"
+
+
+def quick_score(handler: DomainHandler, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+    scorer = getattr(handler, "quick_score", None)
+    return scorer(task, submission) if scorer is not None else None
 
 
 def get_handler(domain: str) -> DomainHandler:

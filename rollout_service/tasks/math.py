@@ -38,6 +38,11 @@ class MathHandler:
             tools=self.tools,
         )
 
+    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+        """Plain numbers compared exactly; anything else goes to math-verify in the eval stage."""
+        answer = submission.get("answer")
+        return plain_comparison(str(task["answer"]), None if answer is None else str(answer))
+
     def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
                  execute: Any) -> dict[str, Any]:
         """The finish tool's answer, else the last ``\\boxed{}`` of the final message, else the
