@@ -224,7 +224,7 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
         return dict(zip(job_ids, pool.map(one, job_ids)))
 
 
-TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
+TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end", "finished_at")
 
 
 def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[Optional[bytes]]]:
@@ -243,7 +243,7 @@ def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[Opti
 
 
 def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], started_at: float, path: Path,
-                   views: dict[str, Any], trajectories: dict[str, Any]) -> None:
+                   views: dict[str, Any], trajectories: dict[str, Any], seen: dict[str, float]) -> None:
     """Each job's stage timestamps (``stamps``: its TIMELINE_FIELDS), in seconds since the submission
     began, its timings and the latency of each of its turns (one JSON line per job, after a first
     line with the start time)."""
@@ -254,6 +254,7 @@ def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], star
             out.write(json.dumps({
                 "job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
                                      for name, v in zip(TIMELINE_FIELDS, values)},
+                "seen": round(seen[job_id] - started_at, 4) if job_id in seen else None,
                 "timings": view.timings.model_dump(mode="json") if view is not None else None,
                 "turns": [(t.kind, round(t.latency_s, 4)) for t in trajectory.turns] if trajectory is not None else None,
             }) + "\n")
@@ -298,8 +299,11 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     done: dict[str, Any] = {}
     deadline = started + args.timeout_s
 
+    seen: dict[str, float] = {}
+
     def on_done(view: Any) -> None:
         done[view.job_id] = view
+        seen[view.job_id] = time.time()
 
     # wait in slices so RSS can be sampled meanwhile
     while len(done) < len(job_ids) and time.monotonic() < deadline:
@@ -322,11 +326,15 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     init_started = {job_id: float(values[init_at] or "nan") for job_id, values in zip(job_ids, stamps)}
     # when each episode began, from the trainer's submit call: the last one bounds the wall time
     run_started = [float(values[run_at]) - started_at for values in stamps if values[run_at] is not None]
+    # from a job's last stamp (its eval's end) to the trainer's wait returning it
+    eval_at = TIMELINE_FIELDS.index("eval_end")
+    seen_after = [seen[job_id] - float(values[eval_at]) for job_id, values in zip(job_ids, stamps)
+                  if values[eval_at] is not None and job_id in seen]
     if args.timeline:
         path = Path(args.timeline)
         if round_number:
             path = path.with_name(f"{path.stem}.round{round_number + 1}{path.suffix}")
-        write_timeline(job_ids, stamps, started_at, path, dict(zip(job_ids, views)), trajectories)
+        write_timeline(job_ids, stamps, started_at, path, dict(zip(job_ids, views)), trajectories, seen)
     statuses: dict[str, int] = {}
     errors: dict[str, int] = {}
     for view in views:
@@ -361,6 +369,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
             "first_p50": round(pct(first_excess, 0.5) * 1000, 2),
             "later_p50": round(pct(call_excess, 0.5) * 1000, 2), "later_p99": round(pct(call_excess, 0.99) * 1000, 2)},
         "queued_s": {"p50": round(pct(queued, 0.5), 3), "max": round(max(queued, default=float("nan")), 3)},
+        "seen_after_end_s": {"p50": round(pct(seen_after, 0.5), 3), "max": round(max(seen_after, default=float("nan")), 3)},
         "episode_start_s": {"p50": round(pct(run_started, 0.5), 3), "max": round(max(run_started, default=float("nan")), 3)},
         "wait_before_s": {stage: {"p50": round(pct(w, 0.5), 3), "max": round(max(w, default=float("nan")), 3)}
                           for stage in ("init", "run", "eval")
@@ -388,6 +397,8 @@ def report(r: dict[str, Any], round_number: int) -> None:
           f"p50 {excess['later_p50']} ms, p99 {excess['later_p99']} ms")
     print(f"  episodes began (submit to run start) p50 {r['episode_start_s']['p50']} s, "
           f"max {r['episode_start_s']['max']} s")
+    print(f"  the trainer's wait returned a job after its end p50 {r['seen_after_end_s']['p50']} s, "
+          f"max {r['seen_after_end_s']['max']} s")
     print(f"  queued (submit to init start) p50 {r['queued_s']['p50']} s, max {r['queued_s']['max']} s; "
           f"stage p50 {r['stage_p50_s']}")
     print(f"  wait before each stage: {r['wait_before_s']}")
