@@ -278,11 +278,17 @@ redis.call('ZREMRANGEBYSCORE', key('gates'), '-inf', t[1] * 1000 + math.floor(t[
 return redis.call('ZCARD', key('gates'))
 """
 
-# A call started under an open gate: count it in flight; answer the cancel flag (of the job hash
-# ARGV[3]) and the backend the job is assigned to now. ARGV: prefix, job, job hash key.
+# A call started under gate ARGV[4]: 'late' (not counted) if that gate is no longer open (released
+# for a pause, or expired: a worker stalled between sending the call and this count); else count it
+# in flight and answer the cancel flag of the job hash ARGV[3] and the backend the job is assigned to.
+# ARGV: prefix, job, job hash key, gate owner.
 _COUNT_CALL = _LUA_KEYS + """
+local t = redis.call('TIME')
+local open_until = redis.call('ZSCORE', key('gates'), ARGV[4])
+if not open_until or tonumber(open_until) < t[1] * 1000 + math.floor(t[2] / 1000) then return {'late', ''} end
 redis.call('HINCRBY', key('calls'), ARGV[2], 1)
-return {redis.call('HGET', ARGV[3], 'cancel_requested') or '', redis.call('GET', key('job', ARGV[2])) or ''}
+local cancelled = redis.call('HGET', ARGV[3], 'cancel_requested') == '1'
+return {cancelled and 'cancelled' or 'ok', redis.call('GET', key('job', ARGV[2])) or ''}
 """
 
 
@@ -501,14 +507,15 @@ class BackendPool:
         """Run workers that may still start calls without asking (a pause waits for them too)."""
         return int(self._open_gates(args=[self.prefix]))
 
-    def count_call_soon(self, job_id: str, job_key: str) -> Callable[[], tuple[bool, str]]:
-        """Count a call started under an open gate, in the next shared round trip; the answer says
-        whether the job is cancelled and which backend it is assigned to (``end_call`` ends it)."""
-        pending = submit(self.redis, self._count_call, args=[self.prefix, job_id, job_key])
+    def count_call_soon(self, job_id: str, job_key: str, gate_owner: str) -> Callable[[], tuple[str, str]]:
+        """Count a call started under ``gate_owner``'s gate, in the next shared round trip. The
+        answer: ``("ok" | "cancelled", backend the job is assigned to)``, counted (``end_call`` ends
+        it), or ``("late", "")``, not counted: the gate had closed, the call must not count."""
+        pending = submit(self.redis, self._count_call, args=[self.prefix, job_id, job_key, gate_owner])
 
-        def answer() -> tuple[bool, str]:
-            cancel_flag, assigned = pending()
-            return as_text(cancel_flag) == "1", as_text(assigned)
+        def answer() -> tuple[str, str]:
+            status, assigned = pending()
+            return as_text(status), as_text(assigned)
         return answer
 
     def inflight_calls(self) -> int:

@@ -38,6 +38,7 @@ class CallGate:
     def __init__(self) -> None:
         self.open_until = 0.0
         self.version = 0
+        self.owner = ""
         self._pid = 0
 
     def version_if_open(self) -> Optional[int]:
@@ -47,11 +48,12 @@ class CallGate:
         """Start this process's keeper (once per process)."""
         if self._pid != os.getpid() and lease_s > 0:
             self._pid, self.open_until = os.getpid(), 0.0
+            self.owner = f"{socket.gethostname()}:{os.getpid()}"
             threading.Thread(target=self._renew_forever, args=(BackendPool(client), lease_s),
                              name="call-gate", daemon=True).start()
 
     def _renew_forever(self, pool: BackendPool, lease_s: float) -> None:
-        owner = f"{socket.gethostname()}:{os.getpid()}"
+        owner = self.owner
         while True:
             sent = time.monotonic()
             try:
@@ -123,11 +125,12 @@ class PooledLLM:
     def _generate_under_gate(self, backend: BackendView, version: int, prompt_ids: list[int],
                              max_new_tokens: int, record: TrajectoryBuilder) -> Optional[list[int]]:
         """A later call sent at once to the job's backend while this worker's gate is open: no
-        round trip ahead of it, its count rides the next shared one. None if the job was moved
+        round trip ahead of it, its count rides the next shared one. None if the count came after
+        the gate closed (a stalled worker: the call may have met a weight sync), the job was moved
         meanwhile or its backend did not answer: the careful way makes the call again."""
         if self._stale(record, version):
             raise EpisodeInterrupted(FinishReason.stale)
-        counted = self.pool.count_call_soon(self.job_id, self.job_key)
+        counted = self.pool.count_call_soon(self.job_id, self.job_key, CALL_GATE.owner)
         gen = None
         try:
             gen = self._call(backend, prompt_ids, max_new_tokens)
@@ -135,10 +138,10 @@ class PooledLLM:
             pass
         finally:
             self.pool.end_call(self.job_id)
-        cancelled, assigned = counted()
-        if cancelled:
+        status, assigned = counted()
+        if status == "cancelled":
             raise EpisodeInterrupted(FinishReason.cancelled)
-        if gen is None or assigned != backend.id:
+        if gen is None or status == "late" or assigned != backend.id:
             self.sticky = None
             return None
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,

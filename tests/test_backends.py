@@ -504,17 +504,25 @@ def test_a_call_gate_is_refused_while_paused_expires_unless_renewed_and_can_be_r
     assert pool.resume(7) == 7 and pool.renew_gate("worker-b", 5.0) == 7
 
 
-def test_a_call_counted_under_a_gate_reports_cancel_and_assignment_and_ends_like_any_call(
+def test_a_call_counts_under_an_open_gate_only_and_reports_cancel_and_assignment(
         pool: BackendPool, redis_client: redis.Redis) -> None:
     backend = pool.register(BackendSpec(url="http://gated:1", kind="vllm", model="m"))
     pool.acquire("job-1", "m")
-    redis_client.hset("rollout:job:job-1", "cancel_requested", "0")
-    assert pool.count_call_soon("job-1", "rollout:job:job-1")() == (False, backend.id)
+    job_key = "rollout:job:job-1"
+    redis_client.hset(job_key, "cancel_requested", "0")
+    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("late", "")  # no gate: not counted
+    assert pool.inflight_calls() == 0
+    pool.renew_gate("worker-a", 5.0)
+    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("ok", backend.id)
     assert pool.inflight_calls() == 1
-    redis_client.hset("rollout:job:job-1", "cancel_requested", "1")
-    assert pool.count_call_soon("job-1", "rollout:job:job-1")() == (True, backend.id)
     pool.end_call("job-1")
+    redis_client.hset(job_key, "cancel_requested", "1")
+    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("cancelled", backend.id)
     pool.end_call("job-1")
     pool.release("job-1")
-    assert pool.inflight_calls() == 0 and pool.count_call_soon("job-1", "rollout:job:job-1")() == (True, "")
+    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("cancelled", "")
     pool.end_call("job-1")
+    pool.release_gate("worker-a")  # released for a pause: a count still on its way arrives late
+    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("late", "")
+    pool.end_call("job-1")
+    assert pool.inflight_calls() == 0
