@@ -261,20 +261,23 @@ return 1
 """
 
 
-# A run worker's call gate (llm.CallGate): its lease to start calls without a round trip each.
-# ARGV: prefix, owner, lease ms. Refused while paused; else the gate is open until Redis time + lease.
-_RENEW_GATE = _LUA_KEYS + """
+# A run worker's call gate (llm.CallGate): its lease to start calls without a round trip each, a
+# member of key('gates') scored by when it closes (Redis time, ms).
+_LUA_GATES = _LUA_KEYS + """
+local function now_ms() local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000) end
+"""
+
+# ARGV: prefix, owner, lease ms. Refused while paused; else the gate is open until now + lease.
+_RENEW_GATE = _LUA_GATES + """
 if redis.call('EXISTS', key('paused')) == 1 then return {'paused'} end
-local t = redis.call('TIME')
-redis.call('ZADD', key('gates'), t[1] * 1000 + math.floor(t[2] / 1000) + tonumber(ARGV[3]), ARGV[2])
+redis.call('ZADD', key('gates'), now_ms() + tonumber(ARGV[3]), ARGV[2])
 return {'ok', version()}
 """
 
-_RELEASE_GATE = _LUA_KEYS + "return redis.call('ZREM', key('gates'), ARGV[2])"
+_RELEASE_GATE = _LUA_GATES + "return redis.call('ZREM', key('gates'), ARGV[2])"
 
-_OPEN_GATES = _LUA_KEYS + """
-local t = redis.call('TIME')
-redis.call('ZREMRANGEBYSCORE', key('gates'), '-inf', t[1] * 1000 + math.floor(t[2] / 1000))
+_OPEN_GATES = _LUA_GATES + """
+redis.call('ZREMRANGEBYSCORE', key('gates'), '-inf', now_ms())
 return redis.call('ZCARD', key('gates'))
 """
 
@@ -282,10 +285,9 @@ return redis.call('ZCARD', key('gates'))
 # for a pause, or expired: a worker stalled between sending the call and this count); else count it
 # in flight and answer the cancel flag of the job hash ARGV[3] and the backend the job is assigned to.
 # ARGV: prefix, job, job hash key, gate owner.
-_COUNT_CALL = _LUA_KEYS + """
-local t = redis.call('TIME')
+_COUNT_CALL = _LUA_GATES + """
 local open_until = redis.call('ZSCORE', key('gates'), ARGV[4])
-if not open_until or tonumber(open_until) < t[1] * 1000 + math.floor(t[2] / 1000) then return {'late', ''} end
+if not open_until or tonumber(open_until) < now_ms() then return {'late', ''} end
 redis.call('HINCRBY', key('calls'), ARGV[2], 1)
 local cancelled = redis.call('HGET', ARGV[3], 'cancel_requested') == '1'
 return {cancelled and 'cancelled' or 'ok', redis.call('GET', key('job', ARGV[2])) or ''}

@@ -53,17 +53,16 @@ class CallGate:
                              name="call-gate", daemon=True).start()
 
     def _renew_forever(self, pool: BackendPool, lease_s: float) -> None:
-        owner = self.owner
         while True:
             sent = time.monotonic()
             try:
-                version = pool.renew_gate(owner, lease_s)
+                version = pool.renew_gate(self.owner, lease_s)
             except Exception:  # a Redis blip: closed until a renewal gets through
                 version = None
             if version is None:
                 self.open_until = 0.0
                 with contextlib.suppress(Exception):
-                    pool.release_gate(owner)
+                    pool.release_gate(self.owner)
             else:
                 self.version, self.open_until = version, sent + 0.75 * lease_s
             time.sleep(lease_s / 3)
@@ -93,9 +92,9 @@ class PooledLLM:
         self.sticky: Optional[BackendView] = None  # the backend of the job's last call, granted the careful way
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
-        version = CALL_GATE.version_if_open()
-        if self.sticky is not None and self.first_call is None and version is not None:
-            ids = self._generate_under_gate(self.sticky, version, prompt_ids, max_new_tokens, record)
+        gate_version = CALL_GATE.version_if_open()
+        if self.sticky is not None and self.first_call is None and gate_version is not None:
+            ids = self._generate_under_gate(self.sticky, gate_version, prompt_ids, max_new_tokens, record)
             if ids is not None:
                 return ids
         backend = self._start_call()

@@ -21,6 +21,7 @@ from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
+from workers.eval import complete_scored
 from workers.init import prepare_job
 from workers.stage import Slots, StageContext, job_store, run_stage_jobs
 
@@ -152,8 +153,6 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
     if trajectory.finish_reason in ended:
         ctx.finish_as = (ended[trajectory.finish_reason], dict(ctx.end_fields))
     elif settings.score_in_run and (scored := quick_score(handler, request.task, artifact)) is not None:
-        ctx.results.update(result={"artifact": artifact, "details": scored.details})  # as eval would
         ctx.results["trajectory"]["reward"] = scored.reward
         ctx.end_fields["run_end"] = episode_end  # and no eval hop: the job completes with the run's end
-        ctx.finish_as = (JobStatus.completed, {**ctx.end_fields, "reward": scored.reward,
-                                               "eval_start": episode_end, "eval_end": time.time()})
+        complete_scored(ctx, artifact, scored, **ctx.end_fields, eval_start=episode_end, eval_end=time.time())
