@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 client.wait(warm, timeout_s=120)
                 rounds = []
                 for round_number in range(args.rounds):
-                    rounds.append(measure_round(args, stack, client, sim, round_number))
+                    rounds.append(measure_round(args, stack, client, sim, sim_url, round_number))
         finally:
             sim.terminate()
             sim.wait()
@@ -284,12 +284,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient, sim: subprocess.Popen,
-                  round_number: int) -> dict[str, Any]:
+                  sim_url: str, round_number: int) -> dict[str, Any]:
     """Submit ``args.rollouts`` jobs at once, wait for all of them and summarize (one trainer step)."""
     tree = process_tree(stack.process.pid)
     base_rss = rss_mb(tree)
     cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
     bodies = [job_body(args, round_number * args.rollouts + i) for i in range(args.rollouts)]
+    httpx.get(f"{sim_url}/lateness")  # forget the warm-up's calls
     started, started_at = time.monotonic(), time.time()
     profile = args.profile and round_number == args.rounds - 1
     profilers = start_profilers(tree, Path(args.profile), args.profile_s, args.profile_only) if profile else []
@@ -314,6 +315,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         except DeadlineExceeded:
             pass
     wall_s = time.monotonic() - started
+    sim_late_ms = httpx.get(f"{sim_url}/lateness").json()
     cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
     for profiler in profilers:
         profiler.wait()
@@ -368,6 +370,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         "llm_call_excess_ms": {  # an LLM call as the run worker timed it, minus the server's delay
             "first_p50": round(pct(first_excess, 0.5) * 1000, 2),
             "later_p50": round(pct(call_excess, 0.5) * 1000, 2), "later_p99": round(pct(call_excess, 0.99) * 1000, 2)},
+        "sim_late_ms": sim_late_ms,  # of that, the simulated server's own lateness in answering
         "queued_s": {"p50": round(pct(queued, 0.5), 3), "max": round(max(queued, default=float("nan")), 3)},
         "seen_after_end_s": {"p50": round(pct(seen_after, 0.5), 3), "max": round(max(seen_after, default=float("nan")), 3)},
         "episode_start_s": {"p50": round(pct(run_started, 0.5), 3), "max": round(max(run_started, default=float("nan")), 3)},
@@ -394,7 +397,8 @@ def report(r: dict[str, Any], round_number: int) -> None:
     print(f"  overhead per turn p50 {r['overhead_per_turn_ms']['p50']} ms, p99 {r['overhead_per_turn_ms']['p99']} ms")
     excess = r["llm_call_excess_ms"]
     print(f"  LLM call beyond the server's delay: first call p50 {excess['first_p50']} ms, later calls "
-          f"p50 {excess['later_p50']} ms, p99 {excess['later_p99']} ms")
+          f"p50 {excess['later_p50']} ms, p99 {excess['later_p99']} ms; of which the simulated server "
+          f"answered late p50 {r['sim_late_ms'].get('p50')} ms, p99 {r['sim_late_ms'].get('p99')} ms")
     print(f"  episodes began (submit to run start) p50 {r['episode_start_s']['p50']} s, "
           f"max {r['episode_start_s']['max']} s")
     print(f"  the trainer's wait returned a job after its end p50 {r['seen_after_end_s']['p50']} s, "

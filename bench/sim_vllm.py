@@ -7,6 +7,10 @@ benchmark measures the rollout service, not the model. One asyncio process, raw 
 keep-alive, no framework, orjson: thousands of concurrent calls cost it little CPU (it shares the
 machine with the service it measures).
 
+Each answer is sent at the request's arrival plus ``--delay-s``, woken by a thread to within
+~0.1 ms; ``GET /lateness`` says how late the answers since the last ask were sent (p50, p99, max
+in ms): the part of a call's time beyond the delay that is the simulator's, not the service's.
+
 The turn is the number of assistant turns already in the prompt (count of the
 ``<|im_start|>assistant`` id pair minus the generation prompt). ``--filler-tokens N`` puts N
 ordinary tokens before the tool call (long trajectories).
@@ -18,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import sys
+import threading
+import time
 from array import array
 from pathlib import Path
 
@@ -62,8 +69,58 @@ class Script:
         return self.bodies[min(max(completed, 0), len(self.bodies) - 1)]
 
 
+class Alarm:
+    """Wakes futures at their deadline to within ~0.1 ms, from one thread.
+
+    An event loop's own timers are late by 0.1 % of the wait (the kernel's slack for epoll
+    timeouts: ~1 ms for a 1 s call) plus libuv's millisecond rounding. A GPU server has no such
+    wait, so that lateness would count as the service's overhead. A futex wait (a lock's
+    timeout) gets the thread's 50 us slack instead."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.heap: list[tuple[float, int, asyncio.Future]] = []
+        self.ready = threading.Condition()
+        self.lateness_s: list[float] = []
+        threading.Thread(target=self._run, name="alarm", daemon=True).start()
+
+    def at(self, deadline: float) -> asyncio.Future:
+        future = self.loop.create_future()
+        with self.ready:
+            heapq.heappush(self.heap, (deadline, id(future), future))
+            if self.heap[0][2] is future:
+                self.ready.notify()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                while not self.heap or self.heap[0][0] > (now := time.monotonic()):
+                    self.ready.wait(self.heap[0][0] - now if self.heap else None)
+                due = []
+                while self.heap and self.heap[0][0] <= now:
+                    due.append(heapq.heappop(self.heap))
+            self.loop.call_soon_threadsafe(self._wake, due)
+
+    def _wake(self, due: list[tuple[float, int, asyncio.Future]]) -> None:
+        now = time.monotonic()
+        for deadline, _, future in due:
+            self.lateness_s.append(now - deadline)
+            if not future.done():
+                future.set_result(None)
+
+
+def lateness_ms(alarm: Alarm) -> dict:
+    late = sorted(alarm.lateness_s)
+    if not late:
+        return {}
+    pick = lambda q: round(late[min(int(q * len(late)), len(late) - 1)] * 1e3, 3)  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99), "max": round(late[-1] * 1e3, 3)}
+
+
 async def serve(script: Script, host: str, port: int, delay_s: float) -> None:
     calls = 0
+    alarm = Alarm(asyncio.get_running_loop())
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal calls
@@ -76,14 +133,18 @@ async def serve(script: Script, host: str, port: int, delay_s: float) -> None:
                     if line[:15].lower() == "content-length:":
                         length = int(line[15:])
                 body = await reader.readexactly(length) if length else b""
+                received = time.monotonic()
                 method, path, _ = request_line.split(" ", 2)
                 if method == "POST" and path == "/v1/completions":
                     calls += 1
                     payload = script.answer(orjson.loads(body)["prompt"])
-                    await asyncio.sleep(delay_s)
+                    await alarm.at(received + delay_s)
                     status = "200 OK"
                 elif path in ("/health", "/calls"):
                     payload, status = json.dumps({"calls": calls}).encode(), "200 OK"
+                elif path == "/lateness":  # since the last time asked
+                    payload, status = json.dumps(lateness_ms(alarm)).encode(), "200 OK"
+                    alarm.lateness_s = []
                 else:
                     payload, status = b'{"error": {"message": "not found"}}', "404 Not Found"
                 writer.write(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"

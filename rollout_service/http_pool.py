@@ -9,8 +9,11 @@ was a tenth of a run worker's time at 1,000 concurrent episodes. ``https://`` go
 """
 from __future__ import annotations
 
+import _socket
+import errno
 import http.client
 import os
+import select
 import socket
 import threading
 import time
@@ -62,12 +65,30 @@ class _PlainConnection:
         self._host_header = f"{host}:{port}".encode()
 
     def connect(self) -> None:
+        """Connect without handing the CPU over where the connection is made at once (a server on
+        this host: the handshake completes inside the first ``connect``). A green worker waiting
+        for it would first run every other ready episode: 13 ms p50 added to the first call of
+        1,000 episodes starting at once, against 1.4 ms with connections already open."""
         family, kind, proto, sockaddr = resolved(self.host, self.port)
-        sock = socket.socket(family, kind, proto)
+        raw = _socket.socket(family, kind, proto)  # the C type, which gevent does not patch
         try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raw.setblocking(False)
+            status = raw.connect_ex(sockaddr)
+            if status in (errno.EINPROGRESS, errno.EAGAIN):
+                status = raw.connect_ex(sockaddr)  # 0 once the handshake is done
+        except BaseException:
+            raw.close()
+            raise
+        sock = socket.socket(family, kind, proto, fileno=raw.detach())
+        try:
+            if status in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
+                if not select.select([], [sock], [], self.timeout)[1]:
+                    raise socket.timeout(f"connecting to {self.host}:{self.port} timed out")
+                status = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if status not in (0, errno.EISCONN):
+                raise OSError(status, os.strerror(status))
             sock.settimeout(self.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.connect(sockaddr)
         except BaseException:
             sock.close()
             raise

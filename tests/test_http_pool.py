@@ -1,8 +1,13 @@
 """The inference client's HTTP/1.1 exchange against a raw socket server that answers as told."""
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -118,3 +123,43 @@ def test_garbage_instead_of_http_is_a_connect_failure():
     with pytest.raises(ConnectFailed, match="not an HTTP"):
         KeepAlivePool().post_json(f"http://127.0.0.1:{listener.getsockname()[1]}/", b"{}", 5, 5)
     listener.close()
+
+
+def test_a_closed_port_is_a_connect_failure():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()
+    with pytest.raises(ConnectFailed, match="ConnectionRefused|Errno 111"):
+        KeepAlivePool().post_json(f"http://127.0.0.1:{port}/", b"{}", 5, 5)
+
+
+def test_in_a_green_worker_a_local_connect_does_not_hand_the_cpu_to_other_episodes():
+    script = textwrap.dedent("""
+        from gevent import monkey; monkey.patch_all()
+        import gevent, json, socket
+        from rollout_service.http_pool import _PlainConnection, resolved
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+
+        def serve():
+            conn, _ = listener.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\nok")
+
+        gevent.spawn(serve)
+        resolved("127.0.0.1", port)  # a name is resolved in a thread pool, once per 30 s
+        gevent.sleep(0)
+        ran = []
+        gevent.spawn(ran.append, "another episode")
+        connection = _PlainConnection("127.0.0.1", port, 5)
+        connection.connect()
+        before = list(ran)
+        answer = connection.post("/", b"{}")
+        print(json.dumps({"before": before, "answer": [answer[0], answer[1].decode()], "after": ran}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    result = json.loads(out.stdout)
+    assert result["before"] == []
+    assert result["answer"] == [200, "ok"]
+    assert result["after"] == ["another episode"]
