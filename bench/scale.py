@@ -174,7 +174,7 @@ def job_body(args: argparse.Namespace, number: int) -> dict[str, Any]:
             "timeouts": {"job_s": 600}}
 
 
-def start_profilers(tree: list[int], out: Path, seconds: int = 10, only: str = "") -> list[subprocess.Popen]:
+def start_profilers(tree: list[int], out: Path, seconds: int = 10, only: str = "", rate_hz: int = 100) -> list[subprocess.Popen]:
     """py-spy on every Celery worker and the gateway while the rollouts run (raw stacks per process)."""
     out.mkdir(parents=True, exist_ok=True)
     profilers = []
@@ -193,7 +193,7 @@ def start_profilers(tree: list[int], out: Path, seconds: int = 10, only: str = "
         if only and not any(name.startswith(f"worker-{queue}-") or name.startswith(queue) for queue in only.split(",")):
             continue
         profilers.append(subprocess.Popen(
-            ["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", "100", "-f", "raw", "--nonblocking", "--subprocesses",
+            ["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", str(rate_hz), "-f", "raw", "--nonblocking", "--subprocesses",
              "-o", str(out / f"{name}.raw")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}))
     return profilers
@@ -293,7 +293,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     httpx.get(f"{sim_url}/lateness")  # forget the warm-up's calls
     started, started_at = time.monotonic(), time.time()
     profile = args.profile and round_number == args.rounds - 1
-    profilers = start_profilers(tree, Path(args.profile), args.profile_s, args.profile_only) if profile else []
+    profilers = start_profilers(tree, Path(args.profile), args.profile_s, args.profile_only, args.profile_rate_hz) if profile else []
     job_ids = submit_all(client, bodies)
     submitted_s = time.monotonic() - started
     peak = base_rss
@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
     parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
     parser.add_argument("--profile-s", type=int, default=10, help="with --profile: seconds to record from submission")
+    parser.add_argument("--profile-rate-hz", type=int, default=100,
+                        help="with --profile: samples per second (py-spy shows greenlets' stacks unreliably; "
+                             "1000 Hz slows the workers visibly)")
     parser.add_argument("--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated")
     parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
