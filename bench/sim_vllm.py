@@ -138,7 +138,8 @@ async def serve(script: Script, host: str, port: int, delay_s: float) -> None:
                 if method == "POST" and path == "/v1/completions":
                     calls += 1
                     payload = script.answer(orjson.loads(body)["prompt"])
-                    await alarm.at(received + delay_s)
+                    if delay_s > 0:
+                        await alarm.at(received + delay_s)
                     status = "200 OK"
                 elif path in ("/health", "/calls"):
                     payload, status = json.dumps({"calls": calls}).encode(), "200 OK"
