@@ -83,7 +83,9 @@ class _PlainConnection:
         sock = socket.socket(family, kind, proto, fileno=raw.detach())
         try:
             if status in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
-                if not select.select([], [sock], [], self.timeout)[1]:
+                writable = select.poll()  # gevent's in a green worker; unlike select(), any fd number
+                writable.register(sock, select.POLLOUT)
+                if not writable.poll(self.timeout * 1000):
                     raise socket.timeout(f"connecting to {self.host}:{self.port} timed out")
                 status = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if status not in (0, errno.EISCONN):

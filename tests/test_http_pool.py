@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -163,3 +164,21 @@ def test_in_a_green_worker_a_local_connect_does_not_hand_the_cpu_to_other_episod
     assert result["before"] == []
     assert result["answer"] == [200, "ok"]
     assert result["after"] == ["another episode"]
+
+
+def test_a_server_whose_backlog_is_full_times_out_after_the_connect_timeout():
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    waiting = []
+    for _ in range(4):  # fill the accept queue: further handshakes stay in progress
+        queued = socket.socket()
+        queued.setblocking(False)
+        queued.connect_ex(("127.0.0.1", port))
+        waiting.append(queued)
+    started = time.monotonic()
+    with pytest.raises(ReadTimedOut, match="connecting to"):
+        KeepAlivePool().post_json(f"http://127.0.0.1:{port}/", b"{}", 5, 0.3)
+    assert 0.25 < time.monotonic() - started < 3
+    for queued in waiting:
+        queued.close()
+    listener.close()
