@@ -470,7 +470,7 @@ def test_a_one_shot_sandbox_runs_its_script_confined_and_returns_its_output(work
 def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(workspace: Path) -> None:
     (workspace / "hang.py").write_text(
         "import os, subprocess, time\n"
-        "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "subprocess.Popen(['sleep', '301.25'], start_new_session=True)\n"
         "print('started', flush=True)\n"
         "time.sleep(300)\n")
     box = create_sandbox("bwrap", SandboxSpec("hang", str(workspace), script=("/workspace/hang.py",)))
@@ -479,7 +479,7 @@ def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(wo
     assert exit_code is None and time.monotonic() - began < 10 and output.startswith("started")  # what it printed is kept
     time.sleep(0.2)
     assert not [pid for pid in alive([box.process.pid]) if "sleep" in command_of(pid) or "bwrap" in command_of(pid)]
-    assert not any("sleep 300" in command_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
+    assert not any("sleep 301.25" in command_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
 
 
 def test_forked_sandboxes_share_nothing_and_die_with_their_fork_server(tmp_path: Path, bwrap_mode: str) -> None:
