@@ -261,6 +261,12 @@ class ForkServer:
         self._process: Any = None
         self._log = ""
 
+    def warm(self) -> None:
+        """Start this process's server ahead of its first sandbox (a cold start took 0.26-0.37 s
+        of an eval child's first grading, at the end of a run)."""
+        with self._lock:
+            self._connected()
+
     def spawn(self, request: dict[str, Any], fds: list[int]) -> int:
         """Fork a sandbox for ``request`` with ``fds`` (channel, log, status); returns its pid."""
         with self._lock:
@@ -372,6 +378,12 @@ class Forked:
 
 def use_fork_server() -> bool:
     return get_settings().sandbox_fork_server and os.geteuid() == 0
+
+
+def warm_fork_server() -> None:
+    """Start this process's fork server now if its sandboxes will come from one (else nothing)."""
+    if get_settings().sandbox == "bwrap" and use_fork_server():
+        _fork_server.warm()
 
 
 class BwrapSandbox(ServerSandbox):

@@ -1,0 +1,38 @@
+"""Worker process set-up (workers/celery_app.py), seen from outside a real service's workers."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_service.sandbox.base import descendants
+from tests.fixtures_service import running_service
+
+
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fork server serves root workers")
+def test_each_eval_child_starts_its_sandbox_fork_server_before_any_grading(tmp_path: Path) -> None:
+    with running_service(tmp_path / "svc", ROLLOUT_EVAL_CONCURRENCY="2") as service:
+        eval_worker, = [c.process.pid for c in service.supervisor.children if c.name == "worker-eval"]
+        deadline = time.monotonic() + 30
+        while True:
+            pool = children_of(eval_worker)
+            warmed = [child for child in pool
+                      if any("rollout_service.tools.zygote" in command_of(p) for p in descendants(child))]
+            if len(pool) == 2 and len(warmed) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(pool) == 2 and warmed == pool, [command_of(p) for c in pool for p in descendants(c)]
