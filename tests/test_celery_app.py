@@ -9,18 +9,7 @@ import pytest
 
 from rollout_service.sandbox.base import descendants
 from tests.fixtures_service import running_service
-
-
-def command_of(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-            for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+from tests.test_sandbox import command_of, parent_of
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fork server serves root workers")
@@ -29,7 +18,7 @@ def test_each_eval_child_starts_its_sandbox_fork_server_before_any_grading(tmp_p
         eval_worker, = [c.process.pid for c in service.supervisor.children if c.name == "worker-eval"]
         deadline = time.monotonic() + 30
         while True:
-            pool = children_of(eval_worker)
+            pool = [pid for pid in descendants(eval_worker) if parent_of(pid) == eval_worker]
             warmed = [child for child in pool
                       if any("rollout_service.tools.zygote" in command_of(p) for p in descendants(child))]
             if len(pool) == 2 and len(warmed) == 2 or time.monotonic() > deadline:
