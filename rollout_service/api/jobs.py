@@ -14,6 +14,7 @@ from rollout_service.api.common import (
     MSGPACK, Query, body, int_arg, reply, route, settings, store, wants_msgpack,
 )
 from rollout_service.backends import BackendPool
+from rollout_service.batches import enqueue_jobs as enqueue  # a module attribute: tests replace it
 from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
 from rollout_service.schemas import (
     MAX_LIST_JOBS, AgentConfig, BulkJobRequest, BulkSubmitResponse, JobIdsRequest, JobList, JobRequest,
@@ -79,12 +80,6 @@ def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str
     if key:
         store().record_idempotent_response(f"{scope}{key}", response)
     return response, False
-
-
-def enqueue(job_ids: list[str], stage: str) -> None:
-    from workers import dispatch
-
-    dispatch.enqueue_jobs(job_ids, stage)
 
 
 def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: int) -> list[tuple[list[str], str]]:
