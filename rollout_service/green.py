@@ -1,9 +1,10 @@
 """Background work that works the same in threads and in gevent's green workers."""
 from __future__ import annotations
 
+import select
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 GREEN_MODULES = ("socket", "threading", "subprocess")  # what the green code paths rely on gevent for
@@ -30,3 +31,12 @@ def in_background(target: Callable[..., Any], *args: Any, name: str) -> Callable
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     thread.start()
     return thread.join
+
+
+def wait_readable(fd: int, timeout_s: Optional[float]) -> bool:
+    """Whether ``fd`` is readable (or at its end) within ``timeout_s`` (None: no limit). ``poll``, not
+    ``select``, which refuses fd numbers from 1024 on (a worker with hundreds of sandboxes holds more);
+    gevent's poll in a green worker."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else max(timeout_s, 0.0) * 1000))

@@ -412,13 +412,19 @@ def test_descendants_walks_only_the_subtree_and_finds_what_a_full_proc_scan_find
 
 def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_whole(tmp_path: Path) -> None:
     """A gevent worker starts bwrap with posix_spawn (vfork) instead of gevent's fork of the whole
-    worker; the sandbox still answers, a dead one is noticed, and stop leaves no process behind."""
+    worker; the sandbox still answers, a dead one is noticed, and stop leaves no process behind. The
+    worker holds more than 1,024 descriptors (as one with hundreds of sandboxes does), which select()
+    refuses."""
     program = textwrap.dedent(f"""
         from gevent import monkey; monkey.patch_all()
-        import json, os, time
+        import json, os, resource, time
         import gevent
         from rollout_service.sandbox import SandboxSpec, create_sandbox
         from rollout_service.sandbox.base import descendants
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
 
         def boot(n):
             workspace = os.path.join({str(tmp_path)!r}, f"w{{n}}")
@@ -438,7 +444,10 @@ def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_w
         for s in sandboxes:
             s.stop()
         time.sleep(0.2)
-        print(json.dumps({{"outputs": outputs, "kinds": kinds, "pids": pids,
+        os.makedirs(os.path.join({str(tmp_path)!r}, "once"))
+        once = create_sandbox("bwrap", SandboxSpec(job_id="green-once", workspace=os.path.join({str(tmp_path)!r}, "once"),
+                                                   tools=(), script=("/bin/echo", "graded")))
+        print(json.dumps({{"outputs": outputs, "kinds": kinds, "pids": pids, "once": once.run(30),
                           "returncodes": [s.process.poll() is not None for s in sandboxes]}}))
     """)
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
@@ -447,6 +456,7 @@ def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_w
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["outputs"] == ["42"] * 4 and result["kinds"] in (["Spawned"], ["Forked", "server: Spawned"])
     assert len(result["pids"]) > 4 and not alive(result["pids"]) and all(result["returncodes"])
+    assert result["once"] == [0, "graded\n"]
 
 
 def test_a_one_shot_sandbox_runs_its_script_confined_and_returns_its_output(workspace: Path) -> None:

@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import random
-import select
 import shutil
 import socket
 import stat
@@ -37,7 +36,7 @@ from rollout_service.sandbox.base import (
     host_import_paths,
     server_arguments,
 )
-from rollout_service.green import green_process
+from rollout_service.green import green_process, wait_readable
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000
@@ -306,7 +305,7 @@ class ForkServer:
         finally:
             theirs.close()
         fd = self._process.stdout.fileno()
-        if not select.select([fd], [], [], START_TIMEOUT_S)[0] or os.read(fd, 64) != b"ready\n":
+        if not wait_readable(fd, START_TIMEOUT_S) or os.read(fd, 64) != b"ready\n":
             self._discard()
             raise SandboxError(f"the sandbox fork server did not start; {self._log_tail()}")
         self._control, self._owner = ours, os.getpid()
@@ -357,13 +356,13 @@ class Forked:
         self._status = status_fd
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None and select.select([self._status], [], [], 0)[0]:
+        if self.returncode is None and wait_readable(self._status, 0):
             self._collect()
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
-            if not select.select([self._status], [], [], timeout)[0]:
+            if not wait_readable(self._status, timeout):
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             self._collect()
         return self.returncode  # type: ignore[return-value]
