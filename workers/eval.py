@@ -20,7 +20,7 @@ SCORE_RESULT_TTL_S = 600
 
 @app.task(name=dispatch.TASK_NAMES["eval"])
 def eval_jobs(job_ids: list[str]) -> None:
-    run_stage_jobs(job_ids, "eval", score_job)
+    run_stage_jobs(job_ids, "eval", score_job, end_each=True)  # a graded job completes at once
 
 
 def score_job(ctx: StageContext) -> None:

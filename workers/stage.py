@@ -172,20 +172,27 @@ def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None
         store.finish(job_id, JobStatus.failed, exc)
 
 
-def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None]) -> list[str]:
+def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None],
+                   end_each: bool = False) -> list[str]:
     """Stage ``name`` for each job in turn, with one round trip to begin them all and one to end
-    them all; the jobs still live go on to the next stage. Returns those, once published there."""
+    them all (``end_each``: one per job, as soon as its body returns, for a stage whose jobs take
+    long enough that a finished one should not wait for the rest of its message); the jobs still
+    live go on to the next stage. Returns those, once published there."""
     store, owner = job_store(), new_owner()
     begun = store.begin_stages(list(job_ids), name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner,
                                STAGE_READS[name], BEGINS_SKIPPING.get(name))
     ended: list[StageEnd] = []
+    statuses: list[Optional[JobStatus]] = []
     for job_id, answer in zip(job_ids, begun):
         try:
             with stage(store, job_id, name, answer, owner, ended) as ctx:
                 body(ctx)
         except SkipStage as reason:
             log.info("%s", reason)
-    going_on = [end.job_id for end, status in zip(ended, store.end_stages(ended))
+        if end_each:
+            statuses += store.end_stages(ended[len(statuses):])
+    statuses += store.end_stages(ended[len(statuses):])
+    going_on = [end.job_id for end, status in zip(ended, statuses)
                 if status is not None and status not in TERMINAL_STATUSES]
     wait_published([hand_on(job_id, name) for job_id in going_on])
     return going_on
