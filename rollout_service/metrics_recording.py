@@ -121,6 +121,12 @@ def record_job_finished(client: redis.Redis, *jobs: Mapping[str, str]) -> None:
     """At jobs' terminal transitions, with their hashes: status, finish_reason, stage times,
     redeliveries (one round trip for all of them)."""
     increments = Increments()
+    count_jobs_finished(increments, *jobs)
+    increments.write(client, "job")
+
+
+def count_jobs_finished(increments: Increments, *jobs: Mapping[str, str]) -> None:
+    """What ``record_job_finished`` writes, added to ``increments`` (written later, with others)."""
     for fields in jobs:
         increments.count("rollout_jobs_finished", {"status": fields.get("status") or "unknown",
                                                    "finish_reason": fields.get("finish_reason") or "none"})
@@ -130,7 +136,6 @@ def record_job_finished(client: redis.Redis, *jobs: Mapping[str, str]) -> None:
             extra = int(fields.get(f"attempts_{stage}") or 0) - 1
             if extra > 0:
                 increments.count("rollout_stage_redeliveries", {"stage": stage}, extra)
-    increments.write(client, "job")
 
 
 def record_episode(client: redis.Redis, trajectory: Any, sandbox_boot_s: Optional[float]) -> None:

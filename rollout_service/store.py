@@ -22,7 +22,7 @@ from redis.retry import Retry
 
 from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
 from rollout_service.green import green_process
-from rollout_service.metrics_recording import record_job_finished
+from rollout_service.metrics_recording import Increments, count_jobs_finished, record_job_finished
 from rollout_service.schemas import (
     TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Timings, Trajectory,
 )
@@ -485,10 +485,13 @@ class JobStore:
         self._ended({job_id: ended}, announce)
         return ended
 
-    def _ended(self, ended: dict[str, dict[str, str]], announce: bool) -> None:
+    def _ended(self, ended: dict[str, dict[str, str]], announce: bool, finished: Optional[Increments] = None) -> None:
         if not ended:
             return
-        record_job_finished(self.redis, *ended.values())
+        if finished is None:
+            record_job_finished(self.redis, *ended.values())
+        else:
+            count_jobs_finished(finished, *ended.values())
         if announce:
             for job_id, fields in ended.items():
                 for hook in self.on_finished:
@@ -557,9 +560,10 @@ class JobStore:
                  dict(zip(reads, replies[n * step + 1])) if reads else {})
                 for n, reply in enumerate(replies[::step])]
 
-    def end_stages(self, ends: list[StageEnd]) -> list[Optional[JobStatus]]:
+    def end_stages(self, ends: list[StageEnd], finished: Optional[Increments] = None) -> list[Optional[JobStatus]]:
         """For each job: store its blobs, make its terminal move if it has one, release its lease and
-        set its fields; the jobs' statuses after their stage. One round trip for all of them."""
+        set its fields; the jobs' statuses after their stage. One round trip for all of them (the
+        finished jobs' metrics are one more, or go into ``finished`` for the caller to write)."""
         if not ends:
             return []
         pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
@@ -580,7 +584,7 @@ class JobStore:
         answers = self._execute(pipe)
         moved = {end.job_id: answers[at - 1] for end, at in zip(ends, positions) if end.finish is not None}
         self._ended({job_id: ended for job_id, result in moved.items()
-                     if (ended := self._moved_fields(result)) is not None}, announce=True)
+                     if (ended := self._moved_fields(result)) is not None}, announce=True, finished=finished)
         return [None if answers[at] is None else JobStatus(as_text(answers[at])) for at in positions]
 
     @staticmethod

@@ -20,7 +20,9 @@ THREE_GRADED_JOBS = """
         ctx.finish_as = (JobStatus.completed, {{"reward": 1.0}})
 
     {run}
-    print(json.dumps({{"seen": seen, "final": [store.status(job_id).value for job_id in job_ids]}}))
+    counted = sum(int(n) for field, n in store.redis.hgetall("rollout:metrics:counters").items()
+                  if field.startswith(b"rollout_jobs_finished|"))
+    print(json.dumps({{"seen": seen, "final": [store.status(job_id).value for job_id in job_ids], "counted": counted}}))
 """
 
 
@@ -30,10 +32,10 @@ def test_eval_completes_each_job_of_a_message_before_it_grades_the_next(redis_cl
     assert result["seen"] == [["evaluating", "evaluating", "evaluating"],
                               ["completed", "evaluating", "evaluating"],
                               ["completed", "completed", "evaluating"]]
-    assert result["final"] == ["completed"] * 3
+    assert result["final"] == ["completed"] * 3 and result["counted"] == 3  # their metrics: one write at the end
 
 
 def test_a_stage_that_ends_its_jobs_together_keeps_each_in_the_stage_until_the_last_is_done(
         redis_client, redis_url):
     result = run_with_broker(redis_url, THREE_GRADED_JOBS.format(run='run_stage_jobs(job_ids, "eval", grade)'))
-    assert result["seen"][2] == ["evaluating"] * 3 and result["final"] == ["completed"] * 3
+    assert result["seen"][2] == ["evaluating"] * 3 and result["final"] == ["completed"] * 3 and result["counted"] == 3

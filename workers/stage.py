@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError
+from rollout_service.metrics_recording import Increments
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
 from rollout_service.store import JobStore, StageEnd, redis_client, unpack
@@ -183,6 +184,7 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
                                STAGE_READS[name], BEGINS_SKIPPING.get(name))
     ended: list[StageEnd] = []
     statuses: list[Optional[JobStatus]] = []
+    finished = Increments()  # with end_each, the metrics of the jobs that ended: one write at the end
     for job_id, answer in zip(job_ids, begun):
         try:
             with stage(store, job_id, name, answer, owner, ended) as ctx:
@@ -190,8 +192,9 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
         except SkipStage as reason:
             log.info("%s", reason)
         if end_each:
-            statuses += store.end_stages(ended[len(statuses):])
-    statuses += store.end_stages(ended[len(statuses):])
+            statuses += store.end_stages(ended[len(statuses):], finished)
+    statuses += store.end_stages(ended[len(statuses):], finished if end_each else None)
+    finished.write(store.redis, "job")
     going_on = [end.job_id for end, status in zip(ended, statuses)
                 if status is not None and status not in TERMINAL_STATUSES]
     wait_published([hand_on(job_id, name) for job_id in going_on])
