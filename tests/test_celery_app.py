@@ -25,3 +25,29 @@ def test_each_eval_child_starts_its_sandbox_fork_server_before_any_grading(tmp_p
                 break
             time.sleep(0.2)
         assert len(pool) == 2 and warmed == pool, [command_of(p) for c in pool for p in descendants(c)]
+
+
+
+@pytest.mark.parametrize("hard_limit", [0, 600], ids=["the system's hard limit", "a hard limit of 600"])
+def test_a_worker_takes_its_hard_open_file_limit_and_warns_when_even_that_is_short(redis_client, redis_url,
+                                                                                   hard_limit):
+    from tests.test_api_dispatch import run_with_broker
+
+    result = run_with_broker(redis_url, f"""
+        import json, logging, resource
+        hard = {hard_limit} or resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # many systems start a process with 1,024
+        from celery.signals import celeryd_init
+        from workers import celery_app
+        warnings = []
+        logging.getLogger("workers.celery_app").addHandler(type("H", (logging.Handler,), {{
+            "emit": lambda self, record: warnings.append(record.getMessage())}})())
+        celeryd_init.send(sender="run@test", instance=None, conf=celery_app.app.conf,
+                          options={{"concurrency": 200, "queues": ""}})
+        print(json.dumps({{"limit": resource.getrlimit(resource.RLIMIT_NOFILE), "hard": hard, "warnings": warnings,
+                          "slots": celery_app.worker_slots}}))
+    """)
+    assert result["slots"] == 200 and result["limit"] == [result["hard"], result["hard"]]
+    assert (result["hard"] < 200 * 4 + 512) == any("ulimit -Hn" in w for w in result["warnings"]), result
+    if hard_limit:
+        assert result["warnings"] and "concurrency of 200" in result["warnings"][0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import logging
 import importlib
+import resource
 import socket
 import threading
 import time
@@ -28,6 +29,8 @@ HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated
 HEARTBEAT_INTERVAL_S = 5
 WARM_INTERVAL_S = 2
 BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
+DESCRIPTORS_PER_SLOT = 4  # an episode's LLM connection, its sandbox's socket, status pipe and log
+SPARE_DESCRIPTORS = 512  # Redis and broker pools, the fork server, libraries, logs
 worker_slots = 0  # this worker's --concurrency (the largest of --autoscale); 0 outside a worker
 consumer_qos: Any = None  # this worker's prefetch window (kombu.common.QoS), once it consumes
 
@@ -76,6 +79,20 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
     worker_slots = slots
     conf.broker_transport_options = {**conf.broker_transport_options,  # type: ignore[attr-defined]
                                      "max_connections": slots + BROKER_SPARE_CONNECTIONS}
+
+
+@celeryd_init.connect
+def _raise_open_file_limit(options: dict, **_: object) -> None:
+    """A run worker's hundreds of episodes each hold a few descriptors, and many systems start
+    processes with a soft limit of 1,024 (failing with "Too many open files" mid-run): take the
+    hard limit, and say when even that is short of what this worker's concurrency needs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = worker_slots * DESCRIPTORS_PER_SLOT + SPARE_DESCRIPTORS
+    if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        log.warning("this worker may open %d files at most (ulimit -Hn) and its concurrency of %d needs ~%d; "
+                    "raise the hard limit or lower --concurrency", hard, worker_slots, needed)
 
 
 # What a worker of each queue imports before it serves (prefork children inherit it; nothing is
