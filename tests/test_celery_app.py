@@ -48,6 +48,8 @@ def test_a_worker_takes_its_hard_open_file_limit_and_warns_when_even_that_is_sho
                           "slots": celery_app.worker_slots}}))
     """)
     assert result["slots"] == 200 and result["limit"] == [result["hard"], result["hard"]]
-    assert (result["hard"] < 200 * 4 + 512) == any("ulimit -Hn" in w for w in result["warnings"]), result
-    if hard_limit:
-        assert result["warnings"] and "concurrency of 200" in result["warnings"][0]
+    if hard_limit:  # 200 slots need more than 600
+        assert len(result["warnings"]) == 1 and "ulimit -Hn" in result["warnings"][0] \
+            and "concurrency of 200" in result["warnings"][0]
+    elif result["hard"] >= 5000:
+        assert result["warnings"] == []
