@@ -214,16 +214,7 @@ def test_a_retried_bulk_submission_with_an_idempotency_key_returns_the_same_jobs
     client.wait([j for s in first for j in s.job_ids], timeout_s=120)
 
 
-def wait_for_aof_rewrite(client, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = client.info("persistence")
-        if not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled"):
-            return
-        time.sleep(0.2)
-
-
-def test_a_thousand_trajectories_of_8k_tokens_arrive_through_the_client_in_well_under_3_s(client, service):
+def test_a_thousand_trajectories_of_8k_tokens_arrive_through_the_client_in_one_call_exactly(client, service):
     from rollout_service.schemas import JobRequest, Trajectory, Turn
     from rollout_service.settings import Settings
     from rollout_service.store import JobStore
@@ -242,16 +233,11 @@ def test_a_thousand_trajectories_of_8k_tokens_arrive_through_the_client_in_well_
         pipe.hset(jobs.key(job_id), "status", "cancelled")  # nobody should run these
         pipe.srem("rollout:jobs:live", job_id)
     pipe.execute()
-    wait_for_aof_rewrite(jobs.redis)  # 100 MB just written: Redis may fork to rewrite its AOF now
 
-    elapsed = float("inf")
-    for _ in range(3):  # the best of three: the machine is shared, a neighbour's burst is not ours
-        started = time.monotonic()
-        fetched = client.trajectories(job_ids)
-        elapsed = min(elapsed, time.monotonic() - started)
+    started = time.monotonic()  # the speed is bench/scale.py's (--filler-tokens 8000), not this test's
+    fetched = client.trajectories(job_ids)
+    print(f"1000 trajectories of 8k tokens through the client: {time.monotonic() - started:.2f} s")
     assert len(fetched) == 1000 and fetched[job_ids[-1]].response_ids == trajectory.response_ids
     assert fetched[job_ids[0]].logprobs == trajectory.logprobs and fetched[job_ids[0]].turns == trajectory.turns
-    print(f"1000 trajectories of 8k tokens through the client: best {elapsed:.2f} s")
-    assert elapsed < 3.0, f"{elapsed:.2f} s"
     with pytest.raises(ApiError):
         client.trajectories(job_ids[:1] + ["job-nope"])
