@@ -82,7 +82,7 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
 
 
 @celeryd_init.connect
-def _raise_open_file_limit(options: dict, **_: object) -> None:
+def _raise_open_file_limit(**_: object) -> None:
     """A run worker's hundreds of episodes each hold a few descriptors, and many systems start
     processes with a soft limit of 1,024 (failing with "Too many open files" mid-run): take the
     hard limit, and say when even that is short of what this worker's concurrency needs."""
