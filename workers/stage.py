@@ -3,9 +3,9 @@ hold the job's lease, enforce the deadline, turn exceptions into a typed status,
 job that goes on to the next stage.
 
 A stage begins all the jobs of a message in one Redis round trip (``JobStore.begin_stages``) and
-ends them in one (``end_stages``), or, in eval, each as soon as it is graded; the leases of all jobs in a process are renewed together by
-one keeper thread. Tasks end SUCCESS in Celery's eyes whatever happened to their jobs (a job's status
-is the record).
+ends them in one (``end_stages``), or, in eval, each as soon as it is graded; the leases of all
+jobs in a process are renewed together by one keeper thread. Tasks end SUCCESS in Celery's eyes
+whatever happened to their jobs (a job's status is the record).
 """
 from __future__ import annotations
 
