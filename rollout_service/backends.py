@@ -19,6 +19,7 @@ which kombu does not support either).
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
@@ -450,9 +451,9 @@ class BackendPool:
         backends = self._read_views([])
         if not backends:
             return {}
-        with httpx.Client(timeout=timeout_s) as client, \
-                ThreadPoolExecutor(min(PROBE_THREADS, len(backends))) as pool:
-            answers = list(pool.map(lambda view: _answers_health(client, view.url), backends))
+        client = _health_client()
+        with ThreadPoolExecutor(min(PROBE_THREADS, len(backends))) as pool:
+            answers = list(pool.map(lambda view: _answers_health(client, view.url, timeout_s), backends))
         health = {}
         for view, ok in zip(backends, answers):
             state = int(self._record_probe(
@@ -560,8 +561,21 @@ def _view(row: list[Any], version: Any) -> BackendView:
     )
 
 
-def _answers_health(client: httpx.Client, url: str) -> bool:
+_health_clients: dict[int, httpx.Client] = {}
+
+
+def _health_client() -> httpx.Client:
+    """This process's client for health probes, made once: making one costs 20-60 ms of CPU (its
+    SSL context), which the control worker paid at every probe round. No kept-alive connections:
+    a backend may close an idle one, and a probe must not read that as a miss."""
+    client = _health_clients.get(os.getpid())
+    if client is None:
+        client = _health_clients[os.getpid()] = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+    return client
+
+
+def _answers_health(client: httpx.Client, url: str, timeout_s: float) -> bool:
     try:
-        return client.get(f"{url}/health").is_success
+        return client.get(f"{url}/health", timeout=timeout_s).is_success
     except httpx.HTTPError:
         return False

@@ -346,6 +346,24 @@ def test_probe_needs_two_failures_to_mark_unhealthy_and_one_success_to_recover(
     assert pool.probe(timeout_s=1.0) == {up: True, flaky: True}
 
 
+def test_probe_rounds_share_one_http_client(pool: BackendPool, servers: list[HealthServer],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making an httpx client costs 20-60 ms of CPU; the control worker probes every few seconds."""
+    import httpx
+
+    from rollout_service import backends
+
+    made, real_client = [], httpx.Client
+    monkeypatch.setattr(backends, "_health_clients", {})
+    monkeypatch.setattr(httpx, "Client", lambda **kw: made.append(kw) or real_client(**kw))
+    up = pool.register(spec(servers[0].port)).id
+    for _ in range(3):
+        assert pool.probe(timeout_s=1.0) == {up: True}
+    assert len(made) == 1
+    servers[0].stop()
+    assert pool.probe(timeout_s=0.5) == {up: True} and pool.probe(timeout_s=0.5) == {up: False}
+
+
 def test_a_killed_server_is_probed_out_and_its_jobs_finish_on_the_survivor(
         pool: BackendPool, servers: list[HealthServer], redis_client: redis.Redis) -> None:
     survivor, victim = (pool.register(spec(s.port)).id for s in servers)
