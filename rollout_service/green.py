@@ -33,10 +33,11 @@ def in_background(target: Callable[..., Any], *args: Any, name: str) -> Callable
     return thread.join
 
 
-def wait_readable(fd: int, timeout_s: Optional[float]) -> bool:
-    """Whether ``fd`` is readable (or at its end) within ``timeout_s`` (None: no limit). ``poll``, not
-    ``select``, which refuses fd numbers from 1024 on (a worker with hundreds of sandboxes holds more);
-    gevent's poll in a green worker."""
+def wait_ready(fd: Any, timeout_s: Optional[float], events: int = select.POLLIN) -> bool:
+    """Whether ``fd`` (a number or an object with ``fileno()``) is ready for ``events`` (readable, or
+    at its end, by default) within ``timeout_s`` (None: no limit). ``poll``, not ``select``, which
+    refuses fd numbers from 1024 on (a worker with hundreds of sandboxes holds more); gevent's poll
+    in a green worker."""
     poller = select.poll()
-    poller.register(fd, select.POLLIN)
+    poller.register(fd, events)
     return bool(poller.poll(None if timeout_s is None else max(timeout_s, 0.0) * 1000))

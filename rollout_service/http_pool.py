@@ -20,6 +20,8 @@ import time
 from typing import Protocol, Union
 from urllib.parse import urlsplit
 
+from rollout_service.green import wait_ready
+
 MAX_IDLE_PER_HOST = 4096  # above any sane run concurrency: a closed idle connection is a new connect later
 
 
@@ -83,9 +85,7 @@ class _PlainConnection:
         sock = socket.socket(family, kind, proto, fileno=raw.detach())
         try:
             if status in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
-                writable = select.poll()  # gevent's in a green worker; unlike select(), any fd number
-                writable.register(sock, select.POLLOUT)
-                if not writable.poll(self.timeout * 1000):
+                if not wait_ready(sock, self.timeout, select.POLLOUT):
                     raise socket.timeout(f"connecting to {self.host}:{self.port} timed out")
                 status = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if status not in (0, errno.EISCONN):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from rollout_service.errors import SandboxError
-from rollout_service.green import green_process, in_background, wait_readable
+from rollout_service.green import green_process, in_background, wait_ready
 from rollout_service.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -437,7 +437,7 @@ class ServerSandbox:
         fd, chunks, size = self.process.stdout.fileno(), [], 0
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not wait_readable(fd, remaining):
+            if remaining <= 0 or not wait_ready(fd, remaining):
                 return b"".join(chunks), False
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -512,7 +512,7 @@ class ServerSandbox:
         line = b""
         while not line.endswith(b"\n"):
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not wait_readable(fd, remaining):
+            if remaining <= 0 or not wait_ready(fd, remaining):
                 raise SandboxError(
                     f"{self.kind} sandbox did not become ready within {START_TIMEOUT_S:g} s; {self._log_tail()}"
                 )

@@ -36,7 +36,7 @@ from rollout_service.sandbox.base import (
     host_import_paths,
     server_arguments,
 )
-from rollout_service.green import green_process, wait_readable
+from rollout_service.green import green_process, wait_ready
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000
@@ -305,7 +305,7 @@ class ForkServer:
         finally:
             theirs.close()
         fd = self._process.stdout.fileno()
-        if not wait_readable(fd, START_TIMEOUT_S) or os.read(fd, 64) != b"ready\n":
+        if not wait_ready(fd, START_TIMEOUT_S) or os.read(fd, 64) != b"ready\n":
             self._discard()
             raise SandboxError(f"the sandbox fork server did not start; {self._log_tail()}")
         self._control, self._owner = ours, os.getpid()
@@ -356,13 +356,13 @@ class Forked:
         self._status = status_fd
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None and wait_readable(self._status, 0):
+        if self.returncode is None and wait_ready(self._status, 0):
             self._collect()
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if self.returncode is None:
-            if not wait_readable(self._status, timeout):
+            if not wait_ready(self._status, timeout):
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             self._collect()
         return self.returncode  # type: ignore[return-value]
