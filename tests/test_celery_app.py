@@ -27,7 +27,6 @@ def test_each_eval_child_starts_its_sandbox_fork_server_before_any_grading(tmp_p
         assert len(pool) == 2 and warmed == pool, [command_of(p) for c in pool for p in descendants(c)]
 
 
-
 @pytest.mark.parametrize("hard_limit", [0, 600], ids=["the system's hard limit", "a hard limit of 600"])
 def test_a_worker_takes_its_hard_open_file_limit_and_warns_when_even_that_is_short(redis_client, redis_url,
                                                                                    hard_limit):

@@ -213,4 +213,3 @@ def _warm_grading_sandboxes(**_: object) -> None:
             log.warning("could not start the sandbox fork server ahead: %s", exc)
 
     threading.Thread(target=warm, name="fork-server-warmer", daemon=True).start()
-

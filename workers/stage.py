@@ -184,7 +184,7 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
                                STAGE_READS[name], BEGINS_SKIPPING.get(name))
     ended: list[StageEnd] = []
     statuses: list[Optional[JobStatus]] = []
-    finished = Increments()  # with end_each, the metrics of the jobs that ended: one write at the end
+    finished = Increments()  # the metrics of the jobs that ended: one write for the message
     for job_id, answer in zip(job_ids, begun):
         try:
             with stage(store, job_id, name, answer, owner, ended) as ctx:
@@ -193,7 +193,7 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
             log.info("%s", reason)
         if end_each:
             statuses += store.end_stages(ended[len(statuses):], finished)
-    statuses += store.end_stages(ended[len(statuses):], finished if end_each else None)
+    statuses += store.end_stages(ended[len(statuses):], finished)
     finished.write(store.redis, "job")
     going_on = [end.job_id for end, status in zip(ended, statuses)
                 if status is not None and status not in TERMINAL_STATUSES]
