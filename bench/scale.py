@@ -4,14 +4,16 @@ Starts ``rollout-service up --no-reference`` (redis, gateway under gunicorn, the
 Flower) in a subprocess, a simulated vLLM server (``bench/sim_vllm.py``) that answers every call
 after ``--delay-s``, registers it, submits M rollouts at once with the trainer's client and
 waits for them. Tools: ``finish`` only (no sandbox), or with ``--sandbox`` a bwrap sandbox per
-rollout and a ``bash`` command every turn (code domain, graded in a fresh sandbox).
+rollout and a ``bash`` command every turn. The task: a math problem whose answer the run worker
+scores (``--domain math``, the default), or a coding problem whose hidden test runs in a fresh
+grading sandbox in the eval stage (``--domain code``).
 
 Reports wall time against the ideal (T x delay), per-turn service overhead from the
 trajectories (run-stage time not spent in the LLM server's delay, a tool or waiting for the
 sandbox to boot, per LLM call), queue wait (submit to init start, and all waits between stages), failures,
 the time to fetch every trajectory, and peak RSS of the service per in-flight rollout.
 
-    .venv/bin/python bench/scale.py --rollouts 1000 --turns 4 --delay-s 1 [--sandbox] [--json]
+    .venv/bin/python bench/scale.py --rollouts 1000 --turns 4 --delay-s 1 [--sandbox [--domain code]] [--json]
     .venv/bin/python bench/scale.py --rollouts 1000 --turns 1 --filler-tokens 8000 --delay-s 0  # fetch
 """
 from __future__ import annotations
@@ -145,8 +147,9 @@ class Stack:
 
 def start_sim(state: Path, tokenizer: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    answer = "def f():\n    return 1\n" if args.domain == "code" else "4"
     tool = ["--tool", "bash", "--tool-args", json.dumps({"command": "echo hi"}),
-            "--finish-answer", "def f():\n    return 1\n"] if args.sandbox else []
+            "--finish-answer", answer] if args.sandbox else []
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "bench" / "sim_vllm.py"), "--tokenizer", str(tokenizer), "--port", str(port),
          "--delay-s", str(args.delay_s), "--turns", str(args.turns), "--filler-tokens", str(args.filler_tokens),
@@ -162,13 +165,13 @@ def start_sim(state: Path, tokenizer: Path, args: argparse.Namespace) -> tuple[s
 
 
 def job_body(args: argparse.Namespace, number: int) -> dict[str, Any]:
-    if args.sandbox:
+    if args.domain == "code":
         task = {"domain": "code", "text": f"scale #{number}: write f() returning 1",
                 "test_list": ["assert f() == 1"]}
         tools = ["bash", "finish"]
     else:
         task = {"domain": "math", "problem": f"scale #{number}: what is 2+2?", "answer": "4"}
-        tools = ["finish"]
+        tools = ["bash", "finish"] if args.sandbox else ["finish"]
     sampling = {"max_new_tokens": args.filler_tokens + 64} if args.filler_tokens else {}
     return {"task": task, "agent": {"tools": tools, "max_turns": args.turns + 1}, "sampling": sampling,
             "timeouts": {"job_s": 600}}
@@ -362,6 +365,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     ideal_s = args.turns * args.delay_s
     return {
         "rollouts": args.rollouts, "turns": args.turns, "delay_s": args.delay_s, "sandbox": args.sandbox,
+        "domain": args.domain,
         "statuses": statuses, "errors": errors, "failures": args.rollouts - statuses.get("completed", 0),
         "submit_s": round(submitted_s, 3), "wall_s": round(wall_s, 3), "ideal_s": ideal_s,
         "efficiency": round(ideal_s / wall_s, 3) if ideal_s else None,
@@ -386,11 +390,10 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     }
 
 
-
-
 def report(r: dict[str, Any], round_number: int) -> None:
     print(f"{'' if round_number == 1 else f'round {round_number}: '}{r['rollouts']} rollouts x {r['turns']} turns, {r['delay_s']} s per LLM call"
-          f"{', bwrap + bash' if r['sandbox'] else ''}: {r['statuses']}")
+          f"{', bwrap + bash' if r['sandbox'] else ''}{', code graded in a sandbox' if r['domain'] == 'code' else ''}"
+          f": {r['statuses']}")
     for message, count in r["errors"].items():
         print(f"  {count} x error: {message}")
     print(f"  wall {r['wall_s']} s vs ideal {r['ideal_s']} s (efficiency {r['efficiency']}); submit {r['submit_s']} s")
@@ -418,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--delay-s", type=float, default=1.0)
     parser.add_argument("--sandbox", action="store_true", help="bwrap sandbox + a bash command per turn")
+    parser.add_argument("--domain", choices=("math", "code"), default="math",
+                        help="with --sandbox: math (scored by the run worker) or code (a hidden test run in a "
+                             "fresh grading sandbox by eval)")
     parser.add_argument("--filler-tokens", type=int, default=0, help="tokens before each tool call")
     parser.add_argument("--run-concurrency", type=int, default=0, help="per run worker; default: --rollouts")
     parser.add_argument("--init-workers", type=int, default=1, help="init worker processes")
@@ -438,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.domain == "code" and not args.sandbox:
+        parser.error("--domain code needs --sandbox (its agent writes code with bash)")
     # a killed bench must still stop the stack it started (the with-blocks' exits run on SystemExit)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     r = run(args)

@@ -60,6 +60,22 @@ def test_a_math_job_completes_with_reward_timings_and_an_exact_trajectory(client
     assert tool_message["content"].strip() == "4"
 
 
+def test_a_math_job_asking_for_bash_computes_in_its_sandbox_and_is_scored_by_its_run_worker(
+        client, scripted_backend, service):
+    problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [
+        tool_call("bash", command="echo $((2 + 2)) from $(hostname)"), tool_call("finish", answer="4")]}]})
+    job_id = client.submit(math_task(problem), agent={"tools": ["bash", "finish"]}).job_ids[0]
+    view, = client.wait([job_id], timeout_s=120)
+
+    assert view.status.value == "completed" and view.reward == 1.0, view.error
+    assert view.timings.sandbox_boot_s is not None
+    assert not service.redis().hexists(f"rollout:job:{job_id}", "attempts_eval")  # no eval hop
+    trajectory = client.trajectory(job_id)
+    tool_message = next(m for m in trajectory.messages if m["role"] == "tool")
+    assert tool_message["content"].splitlines()[0] == "4 from sandbox"
+
+
 def test_a_math_job_skips_the_init_queue_and_its_run_worker_prepares_it_with_a_model_registered_just_now(
         client, scripted_backend, service):
     problem = f"Skip init ({uuid.uuid4().hex[:6]})"

@@ -34,10 +34,11 @@ def prepare_job(ctx: StageContext, request: JobRequest, backends: list[BackendVi
     workspace = workspace_dir(ctx.settings, ctx.job_id)  # made by the handlers that fill it, or the sandbox
     prepared = handler.prepare(request.task, workspace)
     tools = tuple(request.agent.tools) if request.agent.tools is not None else prepared.tools
-    unknown = set(tools) - set(prepared.tools)
+    offered = handler.offered_tools(request.task)
+    unknown = set(tools) - set(offered)
     if unknown:  # the gateway checks this at submission; this is the second line of defence
         raise ValidationError(f"agent.tools {sorted(unknown)} are not offered by domain "
-                              f"{handler.name!r}; it offers {list(prepared.tools)}")
+                              f"{handler.name!r}; it offers {list(offered)}")
     messages = prepared.messages
     if request.agent.system_prompt is not None:
         messages = [{"role": "system", "content": request.agent.system_prompt}] + \

@@ -1,4 +1,5 @@
-"""Math word problems: the agent may compute with IPython and answers in ``\\boxed{}``."""
+"""Math word problems: the agent may compute with IPython (or a bash shell, when ``agent.tools`` asks
+for it) and answers in ``\\boxed{}``."""
 from __future__ import annotations
 
 import re
@@ -22,10 +23,10 @@ SYSTEM_PROMPT = (
 class MathHandler:
     name = "math"
     prepares_cheaply = True
-    tools = ("ipython", "finish")
+    tools = ("ipython", "finish")  # what a job gets unless its agent.tools says otherwise
 
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
-        return self.tools
+        return ("ipython", "bash", "finish")
 
     def validate(self, task: dict[str, Any]) -> None:
         require(task, "problem", str, self.name)
