@@ -6,8 +6,9 @@ Agent sandboxes: ``--sandboxes`` started at once from one gevent-patched process
 worker starts them (in the background, through the fork server when root), each answering one
 ``bash`` command; then one more command each; then all stopped. Gradings: ``--gradings`` code
 submissions graded by ``CodeHandler.score`` (a fresh one-shot sandbox each), ``--parallel`` at a
-time, as eval's prefork children grade. Each part reports the whole machine's busy CPU per
-sandbox (every process, the sandboxes' own included) and its wall time.
+time, as eval's prefork children grade, and as many grading sandboxes that run nothing but
+Python's ``__hello__`` (what a grading costs before its test). Each part reports the whole
+machine's busy CPU per sandbox (every process, the sandboxes' own included) and its wall time.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def agent_sandboxes(count: int, workspace_root: str) -> dict[str, Any]:
 def gradings(count: int, parallel: int) -> dict[str, Any]:
     """In a plain process with ``parallel`` threads, as eval's prefork children grade."""
     from rollout_service.tasks import get_handler
+    from rollout_service.tasks.sandboxed import grading_run, grading_workspace
 
     handler = get_handler("code")
     assert handler.score(TASK, SUBMISSION).reward == 1.0  # and the fork server is up
@@ -91,7 +93,18 @@ def gradings(count: int, parallel: int) -> dict[str, Any]:
 
     graded, rewards = measured(count, grade_all)
     assert rewards == [1.0] * count, rewards
-    return {"grading": graded}
+
+    def empty_sandbox() -> None:
+        with grading_workspace("code", small=True) as workspace:
+            _, output = grading_run(workspace, None, 10, ("module:__hello__",))
+        assert "Hello world" in output, output
+
+    def empty_all() -> None:
+        with ThreadPoolExecutor(parallel) as pool:
+            list(pool.map(lambda _: empty_sandbox(), range(count)))
+
+    empty, _ = measured(count, empty_all)
+    return {"grading": graded, "grading_sandbox_alone": empty}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                   "sandboxes": args.sandboxes, **agent_sandboxes(args.sandboxes, root),
                   "gradings": args.gradings, "parallel": args.parallel,
                   **json.loads(graded.stdout.strip().splitlines()[-1])}
-    for part in ("boot_and_first_command", "one_more_command", "stop", "grading"):
+    for part in ("boot_and_first_command", "one_more_command", "stop", "grading", "grading_sandbox_alone"):
         print(f"{part:24s} {result[part]['machine_cpu_ms_each']:6.2f} ms machine CPU each, "
               f"{result[part]['wall_s']:.3f} s for all")
     if args.json:
