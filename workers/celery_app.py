@@ -79,20 +79,20 @@ def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
     worker_slots = slots
     conf.broker_transport_options = {**conf.broker_transport_options,  # type: ignore[attr-defined]
                                      "max_connections": slots + BROKER_SPARE_CONNECTIONS}
+    _raise_open_file_limit(slots)
 
 
-@celeryd_init.connect
-def _raise_open_file_limit(**_: object) -> None:
+def _raise_open_file_limit(slots: int) -> None:
     """A run worker's hundreds of episodes each hold a few descriptors, and many systems start
     processes with a soft limit of 1,024 (failing with "Too many open files" mid-run): take the
-    hard limit, and say when even that is short of what this worker's concurrency needs."""
+    hard limit, and say when even that is short of what ``slots`` need."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = worker_slots * DESCRIPTORS_PER_SLOT + SPARE_DESCRIPTORS
+    needed = slots * DESCRIPTORS_PER_SLOT + SPARE_DESCRIPTORS
     if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard != resource.RLIM_INFINITY and hard < needed:
         log.warning("this worker may open %d files at most (ulimit -Hn) and its concurrency of %d needs ~%d; "
-                    "raise the hard limit or lower --concurrency", hard, worker_slots, needed)
+                    "raise the hard limit or lower --concurrency", hard, slots, needed)
 
 
 # What a worker of each queue imports before it serves (prefork children inherit it; nothing is
