@@ -64,8 +64,10 @@ app = make_celery(get_settings())
 
 
 @celeryd_init.connect
-def _size_broker_pool(conf: object, options: dict, **_: object) -> None:
-    """kombu's Redis transport gives each worker a pool of 10 broker connections that fails
+def _size_to_slots(conf: object, options: dict, **_: object) -> None:
+    """Record this worker's slots and size what they use: the broker pool, the open-file limit.
+
+    kombu's Redis transport gives each worker a pool of 10 broker connections that fails
     ("Too many connections") instead of waiting. A green pool acks from every task's greenlet,
     so hundreds of tasks ending together exhausted it; kombu then dropped the broker connection,
     and a message it had just popped off a queue but not yet recorded as unacked was lost

@@ -23,10 +23,11 @@ SYSTEM_PROMPT = (
 class MathHandler:
     name = "math"
     prepares_cheaply = True
-    tools = ("ipython", "finish")  # what a job gets unless its agent.tools says otherwise
+    tools = ("ipython", "finish")  # a job's tools unless its agent.tools names others
+    offered = ("ipython", "bash", "finish")
 
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
-        return ("ipython", "bash", "finish")
+        return self.offered
 
     def validate(self, task: dict[str, Any]) -> None:
         require(task, "problem", str, self.name)
