@@ -17,6 +17,7 @@ import httpx
 
 from rollout_service.errors import ConfigError, RolloutError
 from rollout_service.models import reference_model_name, resolve_reference_model
+from rollout_service.priority import lower_priority
 from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
 
@@ -110,7 +111,7 @@ class Supervisor:
         log = open(self.log_dir / f"{name}.log", "ab")
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+                                   preexec_fn=(lambda: lower_priority(niceness)) if niceness else None)
         child = Child(name, process)
         self.children.append(child)
         return child

@@ -17,6 +17,7 @@ from celery import Celery
 
 from rollout_service.backends import BackendPool
 from rollout_service.cli import FLOWER_NICENESS
+from rollout_service.priority import autogroups_on
 from rollout_service.redis_server import free_port
 from rollout_service.schemas import BackendSpec
 
@@ -142,6 +143,10 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def niceness(pid: int) -> int:
+    """What ranks ``pid`` against the other processes: its session's autogroup nice where the
+    kernel groups by session, else its own nice value."""
+    if autogroups_on():
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 

@@ -538,6 +538,28 @@ def test_a_forked_sandboxs_tool_server_is_its_pid_1_and_reaps_the_orphans_it_inh
         assert bash(box, "echo alive")["output"] == "alive"
 
 
+def test_a_forked_sandbox_boots_at_its_fork_servers_lowered_priority_and_serves_at_its_own(
+        workspace: Path, bwrap_mode: str) -> None:
+    """A wave of boots yields to the worker starting episodes; the tools the agent waits for do not."""
+    if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
+        pytest.skip("the fork server serves root workers")
+    from rollout_service.priority import autogroups_on
+
+    def stat(pid: int) -> list[str]:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+    def rank(pid: int) -> int:  # against the other processes: the session's autogroup nice, else its own
+        if autogroups_on():
+            return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+        return int(stat(pid)[16])
+
+    with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))) as box:
+        server = int(stat(box.process.pid)[1])
+        assert rank(server) == get_settings().sandbox_boot_niceness > 0
+        assert rank(box.process.pid) == 0 and stat(box.process.pid)[3] != stat(server)[3]  # a session of its own
+        assert bash(box, "nice")["output"] == "0"
+
+
 def test_a_forked_sandbox_whose_worker_stopped_reading_its_status_ends_quietly(workspace: Path, bwrap_mode: str) -> None:
     if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
         pytest.skip("the fork server serves root workers")

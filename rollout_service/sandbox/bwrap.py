@@ -48,7 +48,8 @@ HOST_VIEW = "/.rollout-host"  # the host's root inside the fork server, for bind
 FORK_SERVER_BOOTSTRAP = ("import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.zygote import main; main()")
 # CAP_KILL: a sandbox's init runs under the sandbox's uid, and the kernel checks the dying server's
 # right to signal it before it sends the init its parent-death signal
-FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH", "CAP_KILL")
+FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH", "CAP_KILL",
+                    "CAP_SYS_NICE")  # a booted sandbox back at nice 0 where autogroups are off
 
 
 class UidLease:
@@ -228,7 +229,7 @@ def fork_server_argv(control_fd: int) -> list[str]:
     argv += _layout("1048576", (), check_access=True)
     argv += ["--dir", INNER_WORKSPACE, "--bind", "/", HOST_VIEW, "--remount-ro", "/", "--hostname", "sandbox"]
     argv += ["--", sys.executable, "-I", "-S", "-c", FORK_SERVER_BOOTSTRAP.format(paths=host_import_paths()),
-             "--control-fd", str(control_fd)]
+             "--control-fd", str(control_fd), "--boot-niceness", str(get_settings().sandbox_boot_niceness)]
     return argv
 
 

@@ -5,12 +5,14 @@ start, the server's imports), and a grader as much again. This process pays that
 one bwrap (the host read-only, no network, its own /tmp), has the action server and the grader's
 modules imported, and for each request forks:
 
-    P1  (pid 1)      its child, born in a new pid namespace: setsid, dies with this server,
-                     unshares mount/net/ipc/uts namespaces, mounts a fresh /tmp, /dev/shm, /run,
-                     /proc and /dev/pts, binds the workspace and the socket directory, brings
-                     loopback up; then limits, switches to the sandbox's own uid (all capabilities
-                     go) and serves the tools on the socket it was handed (reaping the orphans a
-                     pid 1 inherits), or runs a one-shot Python script or module
+    P1  (pid 1)      its child, born in a new pid namespace: dies with this server, unshares
+                     mount/net/ipc/uts namespaces, mounts a fresh /tmp, /dev/shm, /run, /proc and
+                     /dev/pts, binds the workspace and the socket directory, brings loopback up,
+                     all at this server's lowered priority (``--boot-niceness``: a wave of boots
+                     yields to the workers starting episodes); then setsid (its own priority
+                     again), limits, switches to the sandbox's own uid (all capabilities go) and
+                     serves the tools on the socket it was handed (reaping the orphans a pid 1
+                     inherits), or runs a one-shot Python script or module
     P2               for a one-shot program only: confined the same way, it execs the program
                      while P1 reaps
 
@@ -42,6 +44,7 @@ import runpy  # noqa: F401  (what sandboxes use, imported once here instead of i
 import select  # noqa: F401
 import subprocess  # noqa: F401
 
+from rollout_service.priority import lower_priority, restore_priority
 from rollout_service.tools import action_server, bash, code_runner, confine  # noqa: F401
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
@@ -160,6 +163,8 @@ def init(request: dict, channel: int, log: int, status: int) -> None:
         apply_mounts(request["mounts"])
         socket.sethostname("sandbox")
         loopback_up()
+        os.setsid()  # booted: out of this server's session, and so of its lowered priority
+        restore_priority()
         if not request["script"] or confine.runs_in_process(request["script"]):
             code = sandboxed(request, channel, log, status)
             report(status_fd(request), str(code))
@@ -203,7 +208,6 @@ def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int
     channel, log, status = fds
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setsid()
         _die_with_parent()
         control.close()
         os.close(own_pid_namespace)
@@ -232,9 +236,12 @@ def supported_namespaces() -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "--control-fd" or not argv[1].isdigit():
-        raise SystemExit("usage: zygote --control-fd FD (a SOCK_SEQPACKET socket to the worker)")
-    control = socket.socket(fileno=int(argv[1]))
+    options = dict(zip(argv[::2], argv[1::2]))
+    if len(argv) % 2 or set(options) - {"--control-fd", "--boot-niceness"} or \
+            not all(value.isdigit() for value in options.values()) or "--control-fd" not in options:
+        raise SystemExit("usage: zygote --control-fd FD [--boot-niceness N] (FD: a SOCK_SEQPACKET socket to the worker)")
+    lower_priority(int(options.get("--boot-niceness", "0")))
+    control = socket.socket(fileno=int(options["--control-fd"]))
     control.setblocking(True)  # a green worker's sockets come non-blocking
     gc.freeze()  # a collection in a forked child would otherwise write to, and so copy, every page
     signal.signal(signal.SIGCHLD, reap)
