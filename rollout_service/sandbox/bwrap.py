@@ -228,8 +228,9 @@ def fork_server_argv(control_fd: int) -> list[str]:
         argv += ["--cap-add", capability]
     argv += _layout("1048576", (), check_access=True)
     argv += ["--dir", INNER_WORKSPACE, "--bind", "/", HOST_VIEW, "--remount-ro", "/", "--hostname", "sandbox"]
+    boot_niceness = min(max(get_settings().sandbox_boot_niceness, 0), 19)
     argv += ["--", sys.executable, "-I", "-S", "-c", FORK_SERVER_BOOTSTRAP.format(paths=host_import_paths()),
-             "--control-fd", str(control_fd), "--boot-niceness", str(get_settings().sandbox_boot_niceness)]
+             "--control-fd", str(control_fd), "--boot-niceness", str(boot_niceness)]
     return argv
 
 
