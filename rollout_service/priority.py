@@ -49,3 +49,12 @@ def restore_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
     except OSError:
         pass
+
+
+def rank(pid: int) -> int:
+    """What ranks process ``pid`` against the others: its session's autogroup nice where autogroups
+    are on, else its own nice value (what ``lower_priority`` set)."""
+    if autogroups_on():
+        with open(f"/proc/{pid}/autogroup") as f:
+            return int(f.read().split("nice")[1])
+    return os.getpriority(os.PRIO_PROCESS, pid)

@@ -17,7 +17,7 @@ from celery import Celery
 
 from rollout_service.backends import BackendPool
 from rollout_service.cli import FLOWER_NICENESS
-from rollout_service.priority import autogroups_on
+from rollout_service.priority import rank
 from rollout_service.redis_server import free_port
 from rollout_service.schemas import BackendSpec
 
@@ -142,14 +142,6 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def niceness(pid: int) -> int:
-    """What ranks ``pid`` against the other processes: its session's autogroup nice where the
-    kernel groups by session, else its own nice value."""
-    if autogroups_on():
-        return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
-
-
 def processes_with(environment_entry: str) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
@@ -194,9 +186,9 @@ def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and
             assert time.monotonic() < deadline, run_workers
             time.sleep(0.3)
         started = processes_with(f"ROLLOUT_STATE_DIR={state}")
-        flower = {pid: niceness(pid) for pid in started if b"flower" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+        flower = {pid: rank(pid) for pid in started if b"flower" in Path(f"/proc/{pid}/cmdline").read_bytes()}
         assert flower and set(flower.values()) == {FLOWER_NICENESS}, flower  # monitoring yields to rollouts
-        assert any(niceness(pid) == 0 for pid in started)
+        assert any(rank(pid) == 0 for pid in started)
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)

@@ -543,15 +543,10 @@ def test_a_forked_sandbox_boots_at_its_fork_servers_lowered_priority_and_serves_
     """A wave of boots yields to the worker starting episodes; the tools the agent waits for do not."""
     if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
         pytest.skip("the fork server serves root workers")
-    from rollout_service.priority import autogroups_on
+    from rollout_service.priority import rank
 
     def stat(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-    def rank(pid: int) -> int:  # against the other processes: the session's autogroup nice, else its own
-        if autogroups_on():
-            return int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
-        return int(stat(pid)[16])
 
     with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))) as box:
         server = int(stat(box.process.pid)[1])
