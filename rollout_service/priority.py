@@ -9,9 +9,13 @@ sandboxes' fork server imports it.
 """
 from __future__ import annotations
 
+import errno
 import os
+import time
 
 AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
+AUTOGROUP_OF_PROCESS = "/proc/{pid}/autogroup"
+AUTOGROUP_WRITE_TRIES = 4
 
 
 def autogroups_on() -> bool:
@@ -29,12 +33,15 @@ def lower_priority(niceness: int) -> None:
     if niceness <= 0:
         return
     if autogroups_on():
-        try:
-            with open("/proc/self/autogroup", "w") as f:
-                f.write(str(niceness))
-            return
-        except OSError:
-            pass
+        for _ in range(AUTOGROUP_WRITE_TRIES):
+            try:
+                with open(AUTOGROUP_OF_PROCESS.format(pid="self"), "w") as f:
+                    f.write(str(niceness))
+                return
+            except OSError as e:  # EINVAL: the default autogroup, which has no nice of its own
+                if e.errno != errno.EAGAIN:
+                    break
+                time.sleep(0.1)  # without CAP_SYS_ADMIN the kernel takes one such write per 100 ms, system-wide
     try:
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
     except OSError:
@@ -53,8 +60,12 @@ def restore_priority() -> None:
 
 def rank(pid: int) -> int:
     """What ranks process ``pid`` against the others: its session's autogroup nice where autogroups
-    are on, else its own nice value (what ``lower_priority`` set)."""
+    are on, else its own nice value (what ``lower_priority`` set). A process in the kernel's default
+    autogroup (init's session, or where making a new one failed) shows an empty autogroup file, cannot
+    have its autogroup niced, and is ranked by its nice value as without autogroups."""
     if autogroups_on():
-        with open(f"/proc/{pid}/autogroup") as f:
-            return int(f.read().split("nice")[1])
+        with open(AUTOGROUP_OF_PROCESS.format(pid=pid)) as f:
+            fields = f.read().split()
+        if "nice" in fields:
+            return int(fields[fields.index("nice") + 1])
     return os.getpriority(os.PRIO_PROCESS, pid)
