@@ -27,9 +27,10 @@ def autogroups_on() -> bool:
 
 
 def lower_priority(niceness: int) -> None:
-    """Rank this process's session (with autogroups) or this process (without) at ``niceness``;
-    what it starts inherits it until it starts a session of its own. Best effort: raising a nice
-    value needs no privilege, and a refusal leaves the priority as it was."""
+    """Rank this process's session (with autogroups) and this process at ``niceness``; what it starts
+    inherits both until it starts a session of its own. The process's own nice value is what counts
+    without autogroups and in the kernel's default autogroup, whose nice cannot be set. Best effort:
+    raising a nice value needs no privilege, and a refusal leaves the priority as it was."""
     if niceness <= 0:
         return
     if autogroups_on():
@@ -37,8 +38,8 @@ def lower_priority(niceness: int) -> None:
             try:
                 with open(AUTOGROUP_OF_PROCESS.format(pid="self"), "w") as f:
                     f.write(str(niceness))
-                return
-            except OSError as e:  # EINVAL: the default autogroup, which has no nice of its own
+                break
+            except OSError as e:  # EINVAL: the default autogroup
                 if e.errno != errno.EAGAIN:
                     break
                 time.sleep(0.1)  # without CAP_SYS_ADMIN the kernel takes one such write per 100 ms, system-wide
