@@ -9,7 +9,10 @@ the ids it is trained on.
 
 The delta is derived from the template itself, not from hard-coded ChatML strings: render a
 fixed probe conversation (user, assistant) with and without the new messages and take the
-text after the probe's last end-of-turn token.
+text after the probe's last end-of-turn token. A shape of messages (roles, names, tools) the
+template has rendered once, and puts every content into verbatim, is afterwards filled in, not
+rendered again (``ChatRenderer.render_framed``): a sandboxed Jinja render was a tenth of a run
+worker's CPU at a thousand episodes.
 """
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
 
 
 PROMPT_CACHE_SIZE = 512
+FRAME_CACHE_SIZE = 256  # message shapes (roles, names, tools) a process renders by filling a frame
+# contents a frame is checked on before it is used: a template that trims, tests or rewrites a
+# message's content renders one of them differently from the frame filled with it, and that shape
+# is then always rendered by the template
+_FRAME_CHECKS = ("x", "  padded\n\n", "\n", "<tool_response>\nout\n</tool_response>", "a</think>\nb",
+                 '{"q": "\\"x\\""}\t{{ raw }}', "<|im_end|>", "ÿ émoji 🎉")
 SEGMENT_CACHE_SIZE = 4096  # texts between special tokens (system prompts, tool schemas, role headers)
 _loading = threading.RLock()  # transformers' lazy imports are not thread-safe on first use
 
@@ -164,6 +173,7 @@ class ChatRenderer:
         self._segments: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts_lock = threading.Lock()
+        self._frames: collections.OrderedDict[tuple, "tuple[list[str], list[int]] | None"] = collections.OrderedDict()
         self._direct = _direct_template(tokenizer)
         if self._direct is not None and not self._direct_renders_alike():
             self._direct = None
@@ -207,6 +217,74 @@ class ChatRenderer:
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+
+    def render_framed(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                      add_generation_prompt: bool = False) -> str:
+        """``render_text``'s text, made by filling the messages' contents into the template's render
+        of their shape (roles and every other field, the tools) when that shape was rendered before:
+        string joins instead of a sandboxed Jinja render per episode start and per turn. A shape is
+        framed only where the template puts every content in verbatim (checked on several contents,
+        ``_FRAME_CHECKS``, and the first real ones); others, and empty contents, are rendered."""
+        contents = [m.get("content") for m in messages]
+        if not all(isinstance(c, str) and c for c in contents):
+            return self.render_text(messages, tools, add_generation_prompt)
+        try:
+            shape = (add_generation_prompt, json.dumps(tools, sort_keys=True) if tools else "",
+                     tuple(tuple(sorted((k, v) for k, v in m.items() if k != "content")) for m in messages))
+            hash(shape)
+        except TypeError:  # a field with a list or dict value (tool calls): rendered
+            return self.render_text(messages, tools, add_generation_prompt)
+        with self._prompts_lock:
+            known = shape in self._frames
+            frame = self._frames.get(shape)
+        if frame is None:
+            text = self.render_text(messages, tools, add_generation_prompt)
+            if not known:
+                frame = self._make_frame(messages, tools, add_generation_prompt, text)
+                with self._prompts_lock:
+                    self._frames[shape] = frame
+                    while len(self._frames) > FRAME_CACHE_SIZE:
+                        self._frames.popitem(last=False)
+            return text
+        parts, order = frame
+        pieces = [parts[0]]
+        for part, index in zip(parts[1:], order):
+            pieces += (contents[index], part)
+        return "".join(pieces)
+
+    def _make_frame(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    add_generation_prompt: bool, rendered: str) -> "tuple[list[str], list[int]] | None":
+        """The render of ``messages``' shape cut at each content (literal parts, and which message's
+        content goes after each), or None if filling it does not give the template's render."""
+        marks = [f"\x00FRAME{i}\x00" for i in range(len(messages))]
+        try:
+            template = self.render_text([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                        tools, add_generation_prompt)
+        except Exception:
+            return None
+        cut = re.split("\x00FRAME(\\d+)\x00", template)
+        frame = (cut[0::2], [int(i) for i in cut[1::2]])
+        if any(part.find("\x00FRAME") >= 0 for part in frame[0]):
+            return None
+
+        def filled(contents: list[str]) -> str:
+            pieces = [frame[0][0]]
+            for part, index in zip(frame[0][1:], frame[1]):
+                pieces += (contents[index], part)
+            return "".join(pieces)
+
+        if filled([m["content"] for m in messages]) != rendered:
+            return None
+        for check in _FRAME_CHECKS:
+            contents = [f"{check}{i}" if i % 2 else check for i in range(len(messages))]
+            try:
+                expected = self.render_text([{**m, "content": c} for m, c in zip(messages, contents)],
+                                            tools, add_generation_prompt)
+            except Exception:
+                return None
+            if filled(contents) != expected:
+                return None
+        return frame
 
     def _direct_renders_alike(self) -> bool:
         """The direct render gives apply_chat_template's text on conversations of every kind of
@@ -266,7 +344,7 @@ class ChatRenderer:
         with self._prompts_lock:
             ids = self._prompts.get(key)
         if ids is None:
-            ids = self.encode(self.render_text(messages, tools, add_generation_prompt=True))
+            ids = self.encode(self.render_framed(messages, tools, add_generation_prompt=True))
             with self._prompts_lock:
                 self._prompts[key] = ids
                 while len(self._prompts) > PROMPT_CACHE_SIZE:
@@ -278,7 +356,7 @@ class ChatRenderer:
         up to and including the next generation prompt."""
         if not messages:
             raise ValueError("an observation needs at least one message")
-        full = self.render_text([*PROBE_CONVERSATION, *messages], add_generation_prompt=True)
+        full = self.render_framed([*PROBE_CONVERSATION, *messages], add_generation_prompt=True)
         if not full.startswith(self._probe_prefix):
             raise ConfigError(
                 "the chat template renders earlier turns differently once new messages are "

@@ -276,3 +276,51 @@ def test_a_direct_render_that_differs_from_the_wrapper_is_not_used(tiny_tokenize
     renderer = ChatRenderer(load_tokenizer(str(tiny_tokenizer_dir)))
     assert renderer._direct is None
     assert renderer.render_text(first_messages(), add_generation_prompt=True).endswith("<|im_start|>assistant\n")
+
+
+TRIMMING_TEMPLATE = (  # Llama-3-like: every content trimmed
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TESTING_TEMPLATE = (  # Qwen3-like: what a content holds changes how it is framed
+    "{% for m in messages %}{% if m.role == 'user' and m.content.startswith('<tool_response>') %}"
+    "<|im_start|>tool\n{% else %}<|im_start|>{{ m.role }}\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["tiny", "reading", "trimming", "testing"])
+def test_prompts_and_observations_filled_into_a_frame_are_what_the_template_renders(tiny_tokenizer_dir, template):
+    """Shapes seen before are rendered by filling contents into a frame, never into one of a template
+    that trims or tests its contents; either way the text is the template's to the character."""
+    import random
+
+    tokenizer = load_tokenizer(str(tiny_tokenizer_dir)) if template == "tiny" else fresh_tokenizer(
+        tiny_tokenizer_dir, {"reading": READING_TEMPLATE, "trimming": TRIMMING_TEMPLATE,
+                             "testing": TESTING_TEMPLATE}[template])
+    renderer = ChatRenderer(tokenizer)
+    rng = random.Random(7)
+    words = ["2 + 2", "<tool_call>", "<tool_response>", "{\"a\": 1}", "{{ x }}", "émoji 🎉", "\n\n", "  ",
+             "<|im_end|>", "ok", "\x00FRAME0\x00"]
+
+    def message(role: str) -> dict:
+        m = {"role": role, "content": "".join(rng.choice(words) for _ in range(rng.randint(0, 5)))}
+        if role == "tool":
+            m["name"] = rng.choice(["bash", "ipython"])
+        return m
+
+    for _ in range(400):
+        roles = rng.choice([["system", "user"], ["user"], ["tool"], ["tool", "tool"], ["user", "tool"]])
+        messages = [message(role) for role in roles]
+        tools = rng.choice([None, TOOLS])
+        generation_prompt = rng.random() < 0.7
+        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        assert renderer.render_framed(messages, tools, generation_prompt) == expected, messages
+        if roles[0] == "tool" and any(m["content"] for m in messages):
+            assert renderer.decode(renderer.observation_delta(messages, [renderer.end_of_turn_id])) == \
+                renderer.observation_text(messages)
+    framed = {shape: frame is not None for shape, frame in renderer._frames.items()}
+    tested = {shape: framed[shape] for shape in framed if any(("role", "user") in m for m in shape[2])}
+    assert any(framed.values()) if template != "trimming" else not any(framed.values())
+    assert tested and (any(tested.values()) if template in ("tiny", "reading") else not any(tested.values()))
