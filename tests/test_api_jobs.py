@@ -108,6 +108,27 @@ def test_a_wait_whose_jobs_have_all_ended_answers_without_lingering_for_more(cli
     assert sorted(took)[2] < api_jobs.WAIT_LINGER_S * 0.8, took  # lingering alone takes WAIT_LINGER_S
 
 
+def test_a_wait_answers_once_ends_stop_coming_not_a_whole_linger_later(client, scripted_backend, service):
+    """The last jobs of a step are seen WAIT_QUIET_S after they end, not WAIT_LINGER_S."""
+    problem, slow = f"Quiet wait ({uuid.uuid4().hex[:6]})", f"Still running ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": script_for(problem)["episodes"] + [{"match": slow, "turns": [
+        {"text": tool_call("ipython", code="1"), "delay_s": 0.3}] * 30}]})
+    ended = client.submit(math_task(problem), n=2).job_ids
+    client.wait(ended, timeout_s=120)
+    running, = client.submit(math_task(slow), agent={"max_turns": 30}).job_ids
+    took = []
+    try:
+        with httpx.Client(base_url=service.url) as http:
+            for _ in range(5):
+                started = time.monotonic()
+                answer = http.post("/v1/jobs/wait", json={"job_ids": [*ended, running], "min_finished": 1}).json()
+                took.append(time.monotonic() - started)
+                assert answer["pending"] == [running]
+    finally:
+        client.cancel(running)
+    assert api_jobs.WAIT_QUIET_S <= sorted(took)[2] < api_jobs.WAIT_LINGER_S * 0.8, took
+
+
 def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_write_cancels_what_it_made(
         service, monkeypatch):
     from rollout_service.schemas import JobRequest

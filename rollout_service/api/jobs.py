@@ -27,7 +27,8 @@ from rollout_service.toolcalls import PARSERS
 
 blueprint = Blueprint("jobs", __name__)
 WAIT_RECHECK_S = 0.5
-WAIT_LINGER_S = 0.05  # once enough jobs ended, how long to wait for more ending at the same time
+WAIT_LINGER_S = 0.05  # once enough jobs ended, how long at most to wait for more ending at the same time
+WAIT_QUIET_S = 0.01  # ... and how long after the last end: a wave of ends is over once they stop coming
 
 
 # -- submission checks ------------------------------------------------------------------
@@ -156,7 +157,8 @@ def wait_jobs() -> Response:
             jobs.views(unknown)  # raises the 404 that names them
         waiting = set(job_ids).difference(ended)
         recheck_at = time.monotonic() + WAIT_RECHECK_S
-        linger_until = math.inf
+        linger_until = quiet_until = math.inf
+        last_end_at = time.monotonic()  # the jobs that have ended already count as ending now
         # Ends arrive as messages (a job id each); all statuses are re-read only every
         # WAIT_RECHECK_S as a fallback, so a wait on thousands of jobs costs O(ends), not O(n) per end.
         while True:
@@ -164,16 +166,18 @@ def wait_jobs() -> Response:
             if not waiting:  # nothing left that could still end: lingering would only add its length
                 break
             if len(job_ids) - len(waiting) >= need:
-                linger_until = min(linger_until, now + WAIT_LINGER_S)  # gather ends arriving together
-            if now >= min(deadline, linger_until):
+                linger_until = min(linger_until, now + WAIT_LINGER_S)  # gather ends arriving together,
+                quiet_until = last_end_at + WAIT_QUIET_S  # until they stop coming
+            if now >= min(deadline, linger_until, quiet_until):
                 break
             if now >= recheck_at:
                 waiting.difference_update(jobs.missing_and_ended(list(waiting))[1])
                 recheck_at = now + WAIT_RECHECK_S
                 continue
-            message = pubsub.get_message(timeout=max(min(deadline, linger_until, recheck_at) - now, 0.001))
-            if message:
-                waiting.discard(message["data"].decode())
+            message = pubsub.get_message(timeout=max(min(deadline, linger_until, quiet_until, recheck_at) - now, 0.001))
+            if message and (job_id := message["data"].decode()) in waiting:
+                waiting.discard(job_id)
+                last_end_at = time.monotonic()
     finally:
         pubsub.close()
     finished = [j for j in job_ids if j not in waiting]
