@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from typing import Iterable
 
 AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
 AUTOGROUP_OF_PROCESS = "/proc/{pid}/autogroup"
@@ -47,6 +48,27 @@ def lower_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
     except OSError:
         pass
+
+
+def lower_priority_of(pids: Iterable[int], niceness: int) -> None:
+    """Rank other processes (and, with autogroups, their sessions) at ``niceness``, without waiting:
+    a refusal (a process gone, another user's, the kernel's rate limit on autogroup writes without
+    CAP_SYS_ADMIN) leaves that one as it was. For processes about to be killed: their exit (a
+    sandbox's memory and namespaces torn down) then yields to live work."""
+    if niceness <= 0:
+        return
+    groups = autogroups_on()
+    for pid in pids:
+        if groups:
+            try:
+                with open(AUTOGROUP_OF_PROCESS.format(pid=pid), "w") as f:
+                    f.write(str(niceness))
+            except OSError:
+                pass
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, niceness)
+        except OSError:
+            pass
 
 
 def restore_priority() -> None:

@@ -438,6 +438,7 @@ class BwrapSandbox(ServerSandbox):
             os.close(channel)
             os.close(status_write)
         self.process = Forked(pid, status_read, stdout)  # type: ignore[assignment]
+        self.process_is_namespace_init = True
         if not spec.script:
             self._client = ActionClient.over(ours_socket)
 

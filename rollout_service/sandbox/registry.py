@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from rollout_service.sandbox.base import kill_tree, process_start_ticks
+from rollout_service.settings import get_settings
 from rollout_service.store import as_text
 
 PREFIX = "rollout:sandbox"
@@ -69,7 +70,7 @@ def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
         if record.get("host") == here:
             pid = int(record.get("pid") or 0)
             if pid > 0 and process_start_ticks(pid) == int(record.get("pid_start") or -1):
-                kill_tree(pid)
+                kill_tree(pid, get_settings().sandbox_stop_niceness)
             if record.get("socket_dir"):
                 shutil.rmtree(record["socket_dir"], ignore_errors=True)
         unregister(redis_client, sandbox_id)
