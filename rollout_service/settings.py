@@ -62,6 +62,7 @@ class Settings:
     sandbox_scratch_dir: str = ""  # sockets, logs, code graders' workspaces; "": /dev/shm if a writable tmpfs, else TMPDIR
     sandbox_memory_mb: int = 2048
     sandbox_boot_niceness: int = 10  # sandboxes boot at this priority (episodes starting go first), then serve at 0
+    sandbox_concurrent_stops: int = 4  # sandboxes a worker process tears down at once after their episodes; the rest wait their turn
     sandbox_stop_niceness: int = 19  # a stopped sandbox's processes die at this priority (the episodes still running go first)
     sandbox_max_procs: int = 256
     sandbox_cpu_time_s: int = 3600

@@ -595,6 +595,40 @@ def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_cal
     broken.stop()
 
 
+def test_sandboxes_stopped_in_the_background_are_torn_down_a_few_at_a_time_and_all_of_them(
+        workspace: Path, bwrap_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's end stops hundreds at once: they take turns, so the episodes still running keep the CPU."""
+    from rollout_service.sandbox import base
+
+    monkeypatch.setenv("ROLLOUT_SANDBOX_CONCURRENT_STOPS", "2")
+    get_settings.cache_clear()
+    monkeypatch.setattr(base, "_turns", {})
+    inside, most = [0], [0]
+    real_stop = base.ServerSandbox.stop
+
+    def counted_stop(self: base.ServerSandbox) -> None:
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.1)  # long enough for the others to queue up
+            real_stop(self)
+        finally:
+            inside[0] -= 1
+    monkeypatch.setattr(base.ServerSandbox, "stop", counted_stop)
+    for i in range(5):
+        (workspace / f"w{i}").mkdir()  # one each: a sandbox owns its workspace
+    boxes = [base.BackgroundStart(create_sandbox("bwrap", SandboxSpec(f"j{i}", str(workspace / f"w{i}"),
+                                                                      tools=("bash",)))) for i in range(5)]
+    pids = []
+    for box in boxes:
+        assert box.execute("bash", {"command": "echo up"}, 30)["output"] == "up"
+        pids += [box.sandbox.process.pid, *descendants(box.sandbox.process.pid)]
+    for box in boxes:
+        box.stop_soon()
+    assert wait_until(lambda: not alive(pids), timeout_s=20), alive(pids)
+    assert most[0] == 2
+
+
 def test_a_one_shot_module_runs_its_main_confined_and_the_code_grader_grades_that_way(workspace: Path) -> None:
     grading = {"program": "def f():\n    return 1\n", "tests": ["assert f() == 1", "assert f() == 2"],
                "timeout_s": 5, "budget_s": 20, "nonce": "n0nce", "site_paths": []}
