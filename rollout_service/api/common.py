@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import msgpack
+import orjson
 import pydantic
 from flask import Blueprint, Response, current_app, g, request
 
@@ -133,7 +134,7 @@ def wants_msgpack() -> bool:
 def reply(doc: Any, status: int = 200) -> Response:
     if wants_msgpack():
         return Response(msgpack.packb(doc, use_bin_type=True), status, mimetype=MSGPACK)
-    return Response(json.dumps(doc), status, mimetype="application/json")
+    return Response(orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS), status, mimetype="application/json")
 
 
 def validation_message(exc: pydantic.ValidationError, prefix: str = "") -> str:
