@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import httpx
 import msgpack
+import orjson
 
 from rollout_service.errors import ApiError, DeadlineExceeded
 from rollout_service.schemas import (
@@ -168,7 +169,7 @@ class RolloutClient:
             doc = msgpack.unpackb(response.content, raw=False, strict_map_key=False)
         else:
             try:
-                doc = response.json()
+                doc = orjson.loads(response.content)
             except ValueError:
                 doc = {"error": {"code": "bad_response", "message": response.text[:500]}}
         if response.status_code >= 400:
