@@ -35,15 +35,7 @@ def lower_priority(niceness: int) -> None:
     if niceness <= 0:
         return
     if autogroups_on():
-        for _ in range(AUTOGROUP_WRITE_TRIES):
-            try:
-                with open(AUTOGROUP_OF_PROCESS.format(pid="self"), "w") as f:
-                    f.write(str(niceness))
-                break
-            except OSError as e:  # EINVAL: the default autogroup
-                if e.errno != errno.EAGAIN:
-                    break
-                time.sleep(0.1)  # without CAP_SYS_ADMIN the kernel takes one such write per 100 ms, system-wide
+        _nice_autogroup("self", niceness, AUTOGROUP_WRITE_TRIES)
     try:
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
     except OSError:
@@ -60,15 +52,25 @@ def lower_priority_of(pids: Iterable[int], niceness: int) -> None:
     groups = autogroups_on()
     for pid in pids:
         if groups:
-            try:
-                with open(AUTOGROUP_OF_PROCESS.format(pid=pid), "w") as f:
-                    f.write(str(niceness))
-            except OSError:
-                pass
+            _nice_autogroup(pid, niceness, tries=1)
         try:
             os.setpriority(os.PRIO_PROCESS, pid, niceness)
         except OSError:
             pass
+
+
+def _nice_autogroup(pid: int | str, niceness: int, tries: int) -> None:
+    """Set the autogroup nice of ``pid``'s session; a refusal other than the rate limit ends it
+    (EINVAL: the kernel's default autogroup, whose nice cannot be set)."""
+    for attempt in range(tries):
+        try:
+            with open(AUTOGROUP_OF_PROCESS.format(pid=pid), "w") as f:
+                f.write(str(niceness))
+            return
+        except OSError as e:
+            if e.errno != errno.EAGAIN or attempt == tries - 1:
+                return
+            time.sleep(0.1)  # without CAP_SYS_ADMIN the kernel takes one such write per 100 ms, system-wide
 
 
 def restore_priority() -> None:

@@ -27,3 +27,13 @@ def test_a_process_in_the_default_autogroup_is_ranked_by_its_nice_value(tmp_path
     monkeypatch.setattr(priority, "AUTOGROUP_OF_PROCESS", str(tmp_path / "{pid}"))
     monkeypatch.setattr(priority, "autogroups_on", lambda: True)
     assert priority.rank(os.getpid()) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_another_process_and_its_session_are_lowered_by_its_pid() -> None:
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        priority.lower_priority_of([child.pid, 2 ** 22 + 1], 13)  # a pid that does not exist is skipped
+        assert priority.rank(child.pid) == 13 and os.getpriority(os.PRIO_PROCESS, child.pid) == 13
+    finally:
+        child.kill()
+        child.wait()
