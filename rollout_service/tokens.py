@@ -154,6 +154,17 @@ def _direct_template(tokenizer: Any) -> "_DirectTemplate | None":
     return _DirectTemplate(tokenizer)
 
 
+Frame = tuple[list[str], list[int]]  # a render cut at its contents: the literal parts, whose content follows each
+
+
+def _fill(frame: Frame, contents: list[str]) -> str:
+    parts, order = frame
+    pieces = [parts[0]]
+    for part, index in zip(parts[1:], order):
+        pieces += (contents[index], part)
+    return "".join(pieces)
+
+
 class ChatRenderer:
     """Renders prompts and observation deltas to token ids with a tokenizer's chat template."""
 
@@ -173,7 +184,7 @@ class ChatRenderer:
         self._segments: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts_lock = threading.Lock()
-        self._frames: collections.OrderedDict[tuple, "tuple[list[str], list[int]] | None"] = collections.OrderedDict()
+        self._frames: collections.OrderedDict[tuple, Frame | None] = collections.OrderedDict()
         self._direct = _direct_template(tokenizer)
         if self._direct is not None and not self._direct_renders_alike():
             self._direct = None
@@ -246,14 +257,10 @@ class ChatRenderer:
                     while len(self._frames) > FRAME_CACHE_SIZE:
                         self._frames.popitem(last=False)
             return text
-        parts, order = frame
-        pieces = [parts[0]]
-        for part, index in zip(parts[1:], order):
-            pieces += (contents[index], part)
-        return "".join(pieces)
+        return _fill(frame, contents)
 
     def _make_frame(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool, rendered: str) -> "tuple[list[str], list[int]] | None":
+                    add_generation_prompt: bool, rendered: str) -> Frame | None:
         """The render of ``messages``' shape cut at each content (literal parts, and which message's
         content goes after each), or None if filling it does not give the template's render."""
         marks = [f"\x00FRAME{i}\x00" for i in range(len(messages))]
@@ -263,17 +270,10 @@ class ChatRenderer:
         except Exception:
             return None
         cut = re.split("\x00FRAME(\\d+)\x00", template)
-        frame = (cut[0::2], [int(i) for i in cut[1::2]])
+        frame: Frame = (cut[0::2], [int(i) for i in cut[1::2]])
         if any(part.find("\x00FRAME") >= 0 for part in frame[0]):
             return None
-
-        def filled(contents: list[str]) -> str:
-            pieces = [frame[0][0]]
-            for part, index in zip(frame[0][1:], frame[1]):
-                pieces += (contents[index], part)
-            return "".join(pieces)
-
-        if filled([m["content"] for m in messages]) != rendered:
+        if _fill(frame, [m["content"] for m in messages]) != rendered:
             return None
         for check in _FRAME_CHECKS:
             contents = [f"{check}{i}" if i % 2 else check for i in range(len(messages))]
@@ -282,7 +282,7 @@ class ChatRenderer:
                                             tools, add_generation_prompt)
             except Exception:
                 return None
-            if filled(contents) != expected:
+            if _fill(frame, contents) != expected:
                 return None
         return frame
 
