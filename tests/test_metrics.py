@@ -3,6 +3,7 @@ in Redis move as jobs run through the real service; queue depth counts reserved 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -41,7 +42,15 @@ def test_finished_jobs_move_counters_and_histograms_of_stages_llm_calls_tools_an
                for kind in ("tool", "plain")]
     views = client.wait(job_ids, timeout_s=120)
     assert [v.status.value for v in views] == ["completed", "completed"], [v.error for v in views]
-    after = scrape(service.url)
+    # a job's end is announced in the round trip that ends it, its metrics in the next one: a
+    # scrape right after the trainer saw the end may come between the two
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(service.url)
+        if value(after, "rollout_jobs_finished_total") - value(before, "rollout_jobs_finished_total") >= 2 \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def moved(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
