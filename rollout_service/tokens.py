@@ -157,6 +157,10 @@ def _direct_template(tokenizer: Any) -> "_DirectTemplate | None":
 Frame = tuple[list[str], list[int]]  # a render cut at its contents: the literal parts, whose content follows each
 
 
+def _tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return json.dumps(tools, sort_keys=True) if tools else ""
+
+
 def _fill(frame: Frame, contents: list[str]) -> str:
     parts, order = frame
     pieces = [parts[0]]
@@ -230,17 +234,18 @@ class ChatRenderer:
         )
 
     def render_framed(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      add_generation_prompt: bool = False) -> str:
+                      add_generation_prompt: bool = False, tools_key: str | None = None) -> str:
         """``render_text``'s text, made by filling the messages' contents into the template's render
         of their shape (roles and every other field, the tools) when that shape was rendered before:
         string joins instead of a sandboxed Jinja render per episode start and per turn. A shape is
         framed only where the template puts every content in verbatim (checked on several contents,
-        ``_FRAME_CHECKS``, and the first real ones); others, and empty contents, are rendered."""
+        ``_FRAME_CHECKS``, and the first real ones); others, and empty contents, are rendered.
+        ``tools_key``: ``_tools_key(tools)``, when the caller has it already."""
         contents = [m.get("content") for m in messages]
         if not all(isinstance(c, str) and c for c in contents):
             return self.render_text(messages, tools, add_generation_prompt)
         try:
-            shape = (add_generation_prompt, json.dumps(tools, sort_keys=True) if tools else "",
+            shape = (add_generation_prompt, _tools_key(tools) if tools_key is None else tools_key,
                      tuple(tuple(sorted((k, v) for k, v in m.items() if k != "content")) for m in messages))
             hash(shape)
         except TypeError:  # a field with a list or dict value (tool calls): rendered
@@ -271,7 +276,7 @@ class ChatRenderer:
             return None
         cut = re.split("\x00FRAME(\\d+)\x00", template)
         frame: Frame = (cut[0::2], [int(i) for i in cut[1::2]])
-        if any(part.find("\x00FRAME") >= 0 for part in frame[0]):
+        if any("\x00FRAME" in part for part in frame[0]):
             return None
         if _fill(frame, [m["content"] for m in messages]) != rendered:
             return None
@@ -340,11 +345,12 @@ class ChatRenderer:
 
     def initial_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The rendered first prompt; the rollouts of a group share one rendering (cached)."""
-        key = json.dumps([messages, tools], sort_keys=True)
+        tools_key = _tools_key(tools)
+        key = json.dumps(messages, sort_keys=True) + tools_key
         with self._prompts_lock:
             ids = self._prompts.get(key)
         if ids is None:
-            ids = self.encode(self.render_framed(messages, tools, add_generation_prompt=True))
+            ids = self.encode(self.render_framed(messages, tools, add_generation_prompt=True, tools_key=tools_key))
             with self._prompts_lock:
                 self._prompts[key] = ids
                 while len(self._prompts) > PROMPT_CACHE_SIZE:
