@@ -262,3 +262,18 @@ def test_a_thousand_trajectories_of_8k_tokens_arrive_through_the_client_in_one_c
     assert fetched[job_ids[0]].logprobs == trajectory.logprobs and fetched[job_ids[0]].turns == trajectory.turns
     with pytest.raises(ApiError):
         client.trajectories(job_ids[:1] + ["job-nope"])
+
+
+def test_a_jobs_metadata_comes_back_as_it_was_sent_and_an_integer_beyond_64_bits_is_a_400(
+        client, scripted_backend, service):
+    problem = f"Metadata ({uuid.uuid4().hex[:6]})"
+    scripted_backend(script_for(problem))
+    too_big = httpx.post(f"{service.url}/v1/jobs", json={"task": math_task(problem), "metadata": {"step": 2 ** 70}})
+    assert too_big.status_code == 400 and "1180591620717411303424" in too_big.json()["error"]["message"], too_big.text
+    metadata = {"step": 2 ** 63 - 1, "tag": "x", "lr": 1e-6}
+    answer = httpx.post(f"{service.url}/v1/jobs", json={"task": math_task(problem), "metadata": metadata})
+    assert answer.status_code == 202, answer.text
+    job_id, = answer.json()["job_ids"]
+    client.wait([job_id], timeout_s=120)
+    assert httpx.get(f"{service.url}/v1/jobs/{job_id}").json()["metadata"] == metadata
+    assert client.get(job_id).metadata == metadata

@@ -91,12 +91,21 @@ def body(default: Any = None) -> Any:
             raise ValidationError(f"body is not valid msgpack: {exc}") from exc
     else:
         try:
-            data = json.loads(raw)
+            data = json.loads(raw, parse_int=_int_within_64_bits)
         except ValueError as exc:
             raise ValidationError(f"body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ValidationError(f"body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def _int_within_64_bits(text: str) -> int:
+    """An integer of a JSON body, refused (400) beyond 64 bits: a job's request is stored as msgpack."""
+    value = int(text)
+    if not -2 ** 63 <= value < 2 ** 64:
+        raise ValidationError(f"the integer {text[:40]} in the body is beyond 64 bits, which a job's "
+                              "request is stored in; send it as a string")
+    return value
 
 
 def seconds_arg(name: str, default: float) -> float:
