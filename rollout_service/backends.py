@@ -370,13 +370,15 @@ class BackendPool:
         ``"later"`` for the others. The answer also says whether this call made the job's
         assignment (``drop_first_call`` undoes an unused one)."""
         pending = submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"])
+        read: list[tuple[BackendView | str, bool]] = []  # read once: prepare and the first call both ask
 
         def answer() -> tuple[BackendView | str, bool]:
-            reply = pending()
-            status = as_text(reply[0])
-            if status in ("cancelled", "paused", "later"):
-                return status, False
-            return self._granted(reply), as_text(reply[3]) == "1"
+            if not read:
+                reply = pending()
+                status = as_text(reply[0])
+                read.append((status, False) if status in ("cancelled", "paused", "later")
+                            else (self._granted(reply), as_text(reply[3]) == "1"))
+            return read[0]
         return answer
 
     def drop_first_call(self, job_id: str, answer: FirstCall) -> None:
@@ -553,11 +555,14 @@ class BackendPool:
 
 
 def _view(row: list[Any], version: Any) -> BackendView:
-    id_, url, kind, model, tokenizer, healthy, total, live = (as_text(v) for v in row)
-    return BackendView(
+    """A backend as the registry's scripts answer it (every field converted here: no validation,
+    as each LLM call of an episode reads one)."""
+    id_, url, kind, model, tokenizer, healthy, total, live = [v.decode() if isinstance(v, bytes) else str(v)
+                                                              for v in row]
+    return BackendView.model_construct(
         id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer, healthy=healthy == "1",
         live_assignments=int(float(live)), total_assignments=int(total),
-        policy_version=int(as_text(version)),
+        policy_version=int(version),
     )
 
 

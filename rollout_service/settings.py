@@ -95,6 +95,10 @@ class Settings:
         return Path(self.state_dir).resolve()
 
     @functools.cached_property
+    def workspaces_path(self) -> Path:
+        return self.state_path / "workspaces"
+
+    @functools.cached_property
     def scratch_path(self) -> str:
         """Where the small per-sandbox directories go: on a disk file system, making and removing one
         cost ~1 ms of journaling per sandbox."""

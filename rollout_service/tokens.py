@@ -86,13 +86,23 @@ def _is_plain_tokenizers_dir(path: Path) -> bool:
     )
 
 
+RENDERERS_KEPT = 16
+_renderers: dict[str, "ChatRenderer"] = {}  # the loaded ones, read without the lock (twice per episode)
+
+
 def renderer_for(name_or_path: str) -> "ChatRenderer":
     """The (cached) renderer of the tokenizer at ``name_or_path``."""
-    with _loading:
-        return _renderer_for(name_or_path)
+    renderer = _renderers.get(name_or_path)
+    if renderer is None:
+        with _loading:
+            renderer = _renderer_for(name_or_path)
+            if len(_renderers) >= RENDERERS_KEPT:
+                _renderers.clear()
+            _renderers[name_or_path] = renderer
+    return renderer
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=RENDERERS_KEPT)
 def _renderer_for(name_or_path: str) -> "ChatRenderer":
     return ChatRenderer(load_tokenizer(name_or_path))
 

@@ -52,3 +52,23 @@ def test_a_worker_takes_its_hard_open_file_limit_and_warns_when_even_that_is_sho
             and "concurrency of 200" in result["warnings"][0]
     elif result["hard"] >= 5000:
         assert result["warnings"] == []
+
+
+def test_publishing_many_messages_reuses_one_redis_client_and_every_message_arrives(redis_client, redis_url):
+    from tests.test_api_dispatch import run_with_broker
+
+    result = run_with_broker(redis_url, """
+        import json, redis
+        made = []
+        original = redis.Redis.__init__
+        def counting(self, *args, **kwargs):
+            made.append(1)
+            original(self, *args, **kwargs)
+        redis.Redis.__init__ = counting
+        from workers.celery_app import app
+        for n in range(50):
+            app.send_task("probe", args=[n], queue="probe-queue")
+        print(json.dumps({"clients": len(made)}))
+    """)
+    assert result["clients"] <= 3  # kombu's own made one per message: 50 or more
+    assert redis_client.llen("probe-queue") == 50

@@ -10,6 +10,7 @@ whatever happened to their jobs (a job's status is the record).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -119,7 +120,12 @@ leases = LeaseKeeper()
 
 
 def new_owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    return f"{_host()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@functools.cache
+def _host() -> str:
+    return socket.gethostname()
 
 
 @contextlib.contextmanager
