@@ -1,9 +1,11 @@
 """Background work that works the same in threads and in gevent's green workers."""
 from __future__ import annotations
 
+import gc
 import select
 import sys
 import threading
+import time
 from typing import Any, Callable, Optional
 
 
@@ -41,3 +43,38 @@ def wait_ready(fd: Any, timeout_s: Optional[float], events: int = select.POLLIN)
     poller = select.poll()
     poller.register(fd, events)
     return bool(poller.poll(None if timeout_s is None else max(timeout_s, 0.0) * 1000))
+
+
+IDLE_MIN_ALLOCATIONS = 10_000  # fewer new live objects than this: at most that much garbage, not worth a pass
+
+
+class IdleCollector:
+    """The cyclic garbage collector of a green worker, run when the worker is idle instead of when
+    allocations say so. Hundreds of live episodes hold ~100k tracked objects (token lists among
+    them) and leave next to no cycles: the collector found 27-111 objects in 500 episodes, while
+    its passes stalled every episode of the process, up to 35 ms each, mostly as episodes ended.
+    ``take_over`` turns automatic collection off; ``tick`` collects when ``is_idle()``, or after
+    ``max_interval_s`` of load (the stall then, bounded garbage in between)."""
+
+    def __init__(self, is_idle: Callable[[], bool], max_interval_s: float) -> None:
+        self.is_idle, self.max_interval_s = is_idle, max_interval_s
+        self.collected_at = time.monotonic()
+        self.collections = 0
+
+    def take_over(self, check_s: float) -> None:
+        gc.disable()
+        in_background(self._forever, check_s, name="idle-collector")
+
+    def tick(self) -> bool:
+        now = time.monotonic()
+        allocated = gc.get_count()[0]  # tracked objects made and still alive since the last pass (counted while disabled)
+        if now - self.collected_at < self.max_interval_s and not (self.is_idle() and allocated >= IDLE_MIN_ALLOCATIONS):
+            return False
+        gc.collect()
+        self.collected_at, self.collections = time.monotonic(), self.collections + 1
+        return True
+
+    def _forever(self, check_s: float) -> None:
+        while True:
+            time.sleep(check_s)
+            self.tick()

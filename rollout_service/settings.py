@@ -43,6 +43,8 @@ class Settings:
     episode_start_gap_ms: float = 0.1  # between the episodes of one run message, so their calls do not march in step
     worker_log_level: str = "WARNING"  # INFO logs two lines per task
     task_events: bool = True  # Celery task events, what Flower shows; off saves ~30% of Celery's cost per task
+    gc_max_interval_s: float = 60.0  # a green worker collects cyclic garbage when idle, or this often under load
+    metrics_flush_s: float = 0.5  # a green worker writes the metrics of the episodes that ended in this time together
     redis_max_connections: int = 64  # per process; callers beyond it wait for a free one
     redis_pool_wait_s: float = 30.0
     job_ttl_s: int = 7 * 24 * 3600

@@ -40,3 +40,40 @@ def test_in_a_plain_process_background_work_runs_in_a_thread_and_can_be_joined()
     join = in_background(ran.append, "done", name="work")
     join()
     assert ran == ["done"]
+
+
+def test_a_green_worker_collects_cycles_when_idle_or_after_its_longest_interval_never_by_allocation_count() -> None:
+    script = textwrap.dedent("""
+        import gc, json, time, weakref
+        from rollout_service.green import IdleCollector
+        busy = [True]
+        collector = IdleCollector(lambda: not busy[0], max_interval_s=0.5)
+        gc.disable()  # what take_over does, without its checking thread
+
+        class Node:
+            pass
+
+        def garbage_cycle():
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+            return weakref.ref(a)
+
+        def allocate(n):
+            return [[i] for i in range(n)]  # tracked objects, as episodes make
+
+        seen = {}
+        cycle = garbage_cycle(); kept = allocate(20_000)  # live objects made since the last pass
+        seen["busy"] = (collector.tick(), cycle() is None)
+        busy[0] = False
+        seen["idle"] = (collector.tick(), cycle() is None)
+        seen["idle, nothing new"] = (collector.tick(), True)
+        busy[0] = True
+        cycle = garbage_cycle(); time.sleep(0.6)
+        seen["busy past the interval"] = (collector.tick(), cycle() is None)
+        print(json.dumps(seen))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"busy": [False, False], "idle": [True, True],
+                                       "idle, nothing new": [False, True], "busy past the interval": [True, True]}

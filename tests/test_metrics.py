@@ -115,3 +115,40 @@ def test_a_job_delivered_three_times_to_run_counts_two_redeliveries_when_it_ends
     assert value(samples, "rollout_stage_duration_seconds_sum", stage="init") == 2
     assert value(samples, "rollout_stage_duration_seconds_bucket", stage="queued", le="1.0") == 1
     assert value(samples, "rollout_stage_duration_seconds_count", stage="run") == 0
+
+
+def test_a_green_worker_writes_the_metrics_of_many_episodes_together_and_what_is_left_when_it_stops(
+        redis_client, redis_url):
+    from tests.test_api_dispatch import run_with_broker
+
+    def hincrbys() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_hincrby", {}).get("calls", 0))
+
+    before = hincrbys()
+    result = run_with_broker(redis_url, """
+        from gevent import monkey; monkey.patch_all()
+        import json, time, gevent, redis
+        from rollout_service.autopipeline import AutoPipelineRedis
+        from rollout_service.metrics_recording import COUNTERS_KEY, Increments
+        client = AutoPipelineRedis.from_url(__import__("os").environ["ROLLOUT_REDIS_URL"])
+        plain = redis.Redis.from_url(__import__("os").environ["ROLLOUT_REDIS_URL"])
+        def episode_ends():
+            ended = Increments()
+            ended.count("rollout_jobs_finished", {"status": "completed", "finish_reason": "finished"})
+            ended.observe("rollout_llm_call_seconds", [1.002, 1.004])
+            ended.write(client, "episode")
+        for _ in range(200):
+            episode_ends()
+        gevent.sleep(0.1)
+        early = plain.hget(COUNTERS_KEY, 'rollout_jobs_finished|status="completed",finish_reason="finished"')
+        gevent.sleep(0.6)
+        later = plain.hget(COUNTERS_KEY, 'rollout_jobs_finished|status="completed",finish_reason="finished"')
+        for _ in range(5):
+            episode_ends()  # the worker stops before the next write
+        print(json.dumps({"early": early and int(early), "later": int(later)}))
+    """, ROLLOUT_METRICS_FLUSH_S="0.5")
+    assert result == {"early": None, "later": 200}
+    assert int(redis_client.hget("rollout:metrics:counters",
+                                 'rollout_jobs_finished|status="completed",finish_reason="finished"')) == 205
+    assert int(redis_client.hget("rollout:metrics:histograms", 'rollout_llm_call_seconds||count')) == 410
+    assert hincrbys() - before <= 2 * 4  # two writes of a counter, a bucket and a count (200 writes each before)

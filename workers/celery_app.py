@@ -20,8 +20,10 @@ from typing import Any, Iterator
 import redis
 from celery import Celery
 from celery.signals import celeryd_init, worker_process_init, worker_ready
+from celery.worker import state as worker_state
 from kombu.transport import redis as kombu_redis
 
+from rollout_service.green import IdleCollector, green_process
 from rollout_service.settings import Settings, get_settings
 from rollout_service.store import resolve_redis_url
 
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_KEY_PREFIX = "rollout:worker:"  # + worker hostname -> comma-separated queues it consumes
 HEARTBEAT_INTERVAL_S = 5
 WARM_INTERVAL_S = 2
+GC_CHECK_S = 1.0
 BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
 DESCRIPTORS_PER_SLOT = 6  # an episode's LLM and broker connections, its sandbox's socket, status pipe, log and uid lease
 SPARE_DESCRIPTORS = 512  # Redis and broker pools, the fork server, libraries, logs
@@ -194,7 +197,8 @@ def warm_renderers(client: redis.Redis) -> None:
 def _announce_queues(sender: object, **_: object) -> None:
     """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell
     (workers/dispatch.py reads it); keep the consumer's prefetch window for the run slots; an init
-    or run worker loads the tokenizers of registered backends before its first job needs them."""
+    or run worker loads the tokenizers of registered backends before its first job needs them; a
+    green worker collects cyclic garbage when idle (``IdleCollector``)."""
     global consumer_qos
     consumer_qos = getattr(sender, "qos", None)
     queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]
@@ -219,6 +223,8 @@ def _announce_queues(sender: object, **_: object) -> None:
 
     if {"init", "run"} & set(queues.split(",")):
         threading.Thread(target=warm, name="renderer-warmer", daemon=True).start()
+    if green_process():
+        IdleCollector(lambda: not worker_state.active_requests, get_settings().gc_max_interval_s).take_over(GC_CHECK_S)
 
     threading.Thread(target=beat, name="queue-heartbeat", daemon=True).start()
 
