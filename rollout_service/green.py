@@ -35,6 +35,18 @@ def in_background(target: Callable[..., Any], *args: Any, name: str) -> Callable
     return thread.join
 
 
+def after_live_work(cap_s: float) -> None:
+    """In a green worker, return once its hub has nothing else ready to run, or after ``cap_s``:
+    work that can wait (an ended episode's records) yields the CPU to the episodes whose LLM
+    answers are in. Elsewhere at once."""
+    if not green_process():
+        return
+    import gevent
+
+    with gevent.Timeout(cap_s, False):
+        gevent.idle()
+
+
 def wait_ready(fd: Any, timeout_s: Optional[float], events: int = select.POLLIN) -> bool:
     """Whether ``fd`` (a number or an object with ``fileno()``) is ready for ``events`` (readable, or
     at its end, by default) within ``timeout_s`` (None: no limit). ``poll``, not ``select``, which

@@ -77,3 +77,32 @@ def test_a_green_worker_collects_cycles_when_idle_or_after_its_longest_interval_
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"busy": [False, False], "idle": [True, True],
                                        "idle, nothing new": [False, True], "busy past the interval": [True, True]}
+
+
+def test_work_that_can_wait_runs_after_what_is_ready_in_a_green_worker_and_at_most_its_cap_later() -> None:
+    script = textwrap.dedent("""
+        from gevent import monkey; monkey.patch_all()
+        import gevent, json, socket, time
+        from rollout_service.green import after_live_work
+        a, b = socket.socketpair()
+        order = []
+        def live_turns():  # answers arriving one after another
+            for _ in range(30):
+                a.send(b"x"); b.recv(1); order.append("turn")
+        def records():
+            after_live_work(5.0); order.append("records")
+        gevent.joinall([gevent.spawn(records), gevent.spawn(live_turns)])
+        def never_idle():
+            while True:
+                gevent.sleep(0)
+        spinning = gevent.spawn(never_idle); gevent.sleep(0)
+        started = time.monotonic(); after_live_work(0.1); capped = time.monotonic() - started
+        spinning.kill()
+        print(json.dumps({"order": order, "capped": capped}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["order"] == ["turn"] * 30 + ["records"]
+    assert 0.1 <= result["capped"] < 1.0

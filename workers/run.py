@@ -7,7 +7,7 @@ from typing import Optional
 
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import BackendPool, FirstCall
-from rollout_service.green import green_process, in_background
+from rollout_service.green import after_live_work, green_process, in_background
 from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import CALL_GATE, PooledLLM
 from rollout_service.metrics_recording import record_episode
@@ -27,6 +27,7 @@ from workers.stage import Slots, StageContext, job_store, run_stage_jobs
 
 slots = Slots()
 SLOT_WAIT_S = 0.1
+END_YIELD_CAP_S = 0.05
 
 
 @app.task(name=dispatch.TASK_NAMES["run"])
@@ -127,6 +128,8 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
                                   lambda: store.cancel_requested(job_id))
         else:
             episode = agent.run(prepared.prompt_ids, prepared.messages)
+        episode_end = time.time()
+        after_live_work(END_YIELD_CAP_S)  # live turns first: 1,000 episodes end within ~0.5 s
         artifact = handler.artifact(request.task, episode.answer, episode.final_text, sandbox)
     except BaseException:
         if episode is not None:  # the episode ran and what followed it failed: keep the episode
@@ -149,7 +152,6 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
     ctx.end_fields.update(finish_reason=trajectory.finish_reason.value, backend_id=next(
         (t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None))
     ended = {FinishReason.cancelled: JobStatus.cancelled, FinishReason.deadline: JobStatus.timed_out}
-    episode_end = time.time()
     if trajectory.finish_reason in ended:
         ctx.finish_as = (ended[trajectory.finish_reason], dict(ctx.end_fields))
     elif settings.score_in_run and (scored := quick_score(handler, request.task, artifact)) is not None:
