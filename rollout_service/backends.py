@@ -557,8 +557,7 @@ class BackendPool:
 def _view(row: list[Any], version: Any) -> BackendView:
     """A backend as the registry's scripts answer it (every field converted here: no validation,
     as each LLM call of an episode reads one)."""
-    id_, url, kind, model, tokenizer, healthy, total, live = [v.decode() if isinstance(v, bytes) else str(v)
-                                                              for v in row]
+    id_, url, kind, model, tokenizer, healthy, total, live = [as_text(v) for v in row]
     return BackendView.model_construct(
         id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer, healthy=healthy == "1",
         live_assignments=int(float(live)), total_assignments=int(total),

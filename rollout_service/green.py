@@ -71,7 +71,6 @@ class IdleCollector:
     def __init__(self, is_idle: Callable[[], bool], max_interval_s: float) -> None:
         self.is_idle, self.max_interval_s = is_idle, max_interval_s
         self.collected_at = time.monotonic()
-        self.collections = 0
 
     def take_over(self, check_s: float) -> None:
         gc.disable()
@@ -83,7 +82,7 @@ class IdleCollector:
         if now - self.collected_at < self.max_interval_s and not (self.is_idle() and allocated >= IDLE_MIN_ALLOCATIONS):
             return False
         gc.collect()
-        self.collected_at, self.collections = time.monotonic(), self.collections + 1
+        self.collected_at = time.monotonic()
         return True
 
     def _forever(self, check_s: float) -> None:

@@ -163,26 +163,16 @@ def client_class() -> type[redis.Redis]:
     return AutoPipelineRedis if green_process() else ScriptLoadingRedis
 
 
-_scripts: dict[tuple[int, str], Script] = {}
-
-
 _script_sets: dict[tuple[int, tuple[str, ...]], list[Script]] = {}
 
 
 def scripts_of(client: redis.Redis, *sources: str) -> list[Script]:
-    """``client.register_script`` of each source, made once per client (a store or a backend pool
-    is built per episode; registering hashes and encodes every script again)."""
+    """``client.register_script`` of each source, made once per client and set of sources (a store
+    or a backend pool is built per episode; registering hashes and encodes every script again)."""
     known = _script_sets.get((id(client), sources))
-    if known is not None and known[0].registered_client is client:
-        return known
-    found = []
-    for source in sources:
-        script = _scripts.get((id(client), source))
-        if script is None or script.registered_client is not client:
-            script = _scripts[id(client), source] = client.register_script(source)
-        found.append(script)
-    _script_sets[id(client), sources] = found
-    return found
+    if known is None or known[0].registered_client is not client:
+        known = _script_sets[id(client), sources] = [client.register_script(source) for source in sources]
+    return known
 
 
 def redis_client(settings: Settings | None = None) -> redis.Redis:

@@ -91,20 +91,18 @@ _renderers: dict[str, "ChatRenderer"] = {}  # the loaded ones, read without the 
 
 
 def renderer_for(name_or_path: str) -> "ChatRenderer":
-    """The (cached) renderer of the tokenizer at ``name_or_path``."""
+    """The (cached) renderer of the tokenizer at ``name_or_path``; beyond ``RENDERERS_KEPT`` the
+    one loaded first is dropped."""
     renderer = _renderers.get(name_or_path)
     if renderer is None:
         with _loading:
-            renderer = _renderer_for(name_or_path)
-            if len(_renderers) >= RENDERERS_KEPT:
-                _renderers.clear()
-            _renderers[name_or_path] = renderer
+            renderer = _renderers.get(name_or_path)  # another thread may have loaded it meanwhile
+            if renderer is None:
+                renderer = ChatRenderer(load_tokenizer(name_or_path))
+                while len(_renderers) >= RENDERERS_KEPT:
+                    del _renderers[next(iter(_renderers))]
+                _renderers[name_or_path] = renderer
     return renderer
-
-
-@functools.lru_cache(maxsize=RENDERERS_KEPT)
-def _renderer_for(name_or_path: str) -> "ChatRenderer":
-    return ChatRenderer(load_tokenizer(name_or_path))
 
 
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
