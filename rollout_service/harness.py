@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 ENDPOINT_SOCKET = "openai.sock"
 STOP_FILE = "harness.stop"
 MESSAGES_FILE = "messages.json"
-ANSWER_FILE = "/tmp/rollout-answer"
+ANSWER_FILE = "answer"  # in the sandbox's own socket directory: one per attempt, removed with it
 WATCH_INTERVAL_S = 0.25
 LAUNCHER_GRACE_S = 30.0
 LAUNCH_BOOTSTRAP = (
@@ -274,7 +274,7 @@ def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_k
     env = {**harness.env, "OPENAI_API_KEY": api_key, "ROLLOUT_MESSAGES_FILE": f"{inner_dir}/{MESSAGES_FILE}"}
     argv = [python, "-c", LAUNCH_BOOTSTRAP.format(path=package_dir),
             "--socket", f"{inner_dir}/{ENDPOINT_SOCKET}", "--stop-file", f"{inner_dir}/{STOP_FILE}",
-            "--answer-file", ANSWER_FILE, "--deadline-s", f"{deadline_s:.3f}", "--env-json", json.dumps(env),
+            "--answer-file", f"{inner_dir}/{ANSWER_FILE}", "--deadline-s", f"{deadline_s:.3f}", "--env-json", json.dumps(env),
             "--", *harness.command]
     return shlex.join(argv)
 

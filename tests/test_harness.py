@@ -3,14 +3,22 @@ a real bwrap sandbox with no network against the job's own endpoint; the service
 call in token space, exactly as the scripted vLLM-protocol server returned it."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import tempfile
 import time
 import uuid
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import httpx
 import pytest
 
+from rollout_service.agent import Limits
+from rollout_service.harness import ChatSession, new_api_key, run_harness
+from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.schemas import ChatCompletionRequest, HarnessConfig
+from rollout_service.settings import get_settings
 from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log
 
 TOOL_LOOP_HARNESS = r'''
@@ -183,3 +191,69 @@ def test_the_harness_endpoint_works_the_same_in_a_local_sandbox(tmp_path, script
         assert view.status.value == "completed", view.error
         assert view.reward == 1.0
         assert_segment_is_exactly_what_the_server_returned(local_client.trajectory(job_id), server_log(url)[:2])
+
+        cut_short = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"  # the same answer; killed before writing it
+        local_client.add_backend(scripted_server({"episodes": [{"match": cut_short, "turns": [
+            tool_call("shell", command="echo one"), tool_call("shell", command="echo two"), "done"]}]}),
+            "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
+        job_id, = local_client.submit({"domain": "math", "problem": cut_short, "answer": "4"}, agent={
+            "max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
+        view, = local_client.wait([job_id], timeout_s=120)
+        assert view.finish_reason.value == "max_turns", view.error
+        assert view.reward == 0.0 and view.result["artifact"]["answer"] is None
+
+
+ANSWER_WRITER = r'''
+import os, sys, time
+time.sleep(float(sys.argv[1]))
+with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
+    f.write(sys.argv[2])
+with open("answer-file-path", "w") as f:
+    f.write(os.environ["ROLLOUT_ANSWER_FILE"])
+'''
+
+
+@pytest.fixture
+def local_harness(tmp_path, monkeypatch) -> Iterator[Callable[..., tuple[object, Path]]]:
+    """``local_harness(job_id, *command, stop_after_s=None)``: (episode, workspace) of a harness run
+    to its end in a local sandbox of its own, in a private scratch directory."""
+    scratch = Path(tempfile.mkdtemp(prefix="rs-"))
+    monkeypatch.setenv("ROLLOUT_SANDBOX_SCRATCH_DIR", str(scratch))
+    get_settings.cache_clear()
+
+    def run(job_id: str, *command: str, stop_after_s: Optional[float] = None) -> tuple[object, Path]:
+        workspace = tmp_path / uuid.uuid4().hex[:8]
+        workspace.mkdir()
+        session = ChatSession(None, None, None, Limits(4, 16, None, 30.0), new_api_key())
+        began = time.monotonic()
+        with create_sandbox("local", SandboxSpec(job_id, str(workspace), tools=("bash",))) as sandbox:
+            episode = run_harness(sandbox, session, HarnessConfig(command=list(command)), [], time.time() + 60,
+                                  lambda: stop_after_s is not None and time.monotonic() - began > stop_after_s)
+        return episode, workspace
+
+    yield run
+    get_settings.cache_clear()
+    assert list(scratch.iterdir()) == []  # every sandbox's directory, answer file included, is gone
+    scratch.rmdir()
+
+
+def test_concurrent_harnesses_in_local_sandboxes_each_get_their_own_answer_file(local_harness):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda n: local_harness("same-job", "python", "-c", ANSWER_WRITER, "0.5", f"answer-{n}"),
+                             range(4)))
+
+    assert [episode.answer for episode, _ in runs] == [f"answer-{n}" for n in range(4)]
+    paths = [(workspace / "answer-file-path").read_text() for _, workspace in runs]
+    assert len(set(paths)) == 4 and not any(Path(p).exists() for p in paths)  # one per attempt, removed after
+
+
+def test_a_harness_that_wrote_no_answer_gets_none_not_the_one_before_it(local_harness):
+    assert local_harness("first", "python", "-c", ANSWER_WRITER, "0", "\\boxed{4}")[0].answer == "\\boxed{4}"
+    assert local_harness("second", "true")[0].answer is None
+
+
+def test_a_harness_stopped_before_writing_its_answer_has_none(local_harness):
+    local_harness("first", "python", "-c", ANSWER_WRITER, "0", "\\boxed{4}")
+    episode, _ = local_harness("stopped", "bash", "-c", "echo 'thinking: 4'; sleep 30", stop_after_s=1.0)
+    assert episode.trajectory.finish_reason.value == "cancelled"
+    assert episode.answer is None  # neither the earlier harness's file nor this one's last stdout line

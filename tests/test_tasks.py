@@ -362,6 +362,23 @@ def test_the_swe_artifact_is_the_diff_computed_inside_the_sandbox(swe_task, tmp_
     assert swe.score(swe_task, {"patch": patch}).reward == 1.0
 
 
+def artifact_files_in_host_tmp() -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in Path("/tmp").glob("rollout-artifact*")}
+
+
+def test_swe_artifacts_extracted_in_local_sandboxes_leave_no_shared_file_on_the_host(swe_task, tmp_path):
+    before = artifact_files_in_host_tmp()
+    patches = []
+    for n in range(2):
+        workspace = tmp_path / f"w{n}"
+        swe.prepare(swe_task, workspace)
+        (workspace / f"change-{n}.txt").write_text(f"job {n}\n")
+        with create_sandbox("local", SandboxSpec(f"job-{n}", str(workspace), tools=("bash",))) as sandbox:
+            patches.append(swe.artifact(swe_task, None, "", sandbox)["patch"])
+    assert "b/change-0.txt" in patches[0] and "b/change-1.txt" in patches[1] and "change-0" not in patches[1]
+    assert artifact_files_in_host_tmp() == before
+
+
 def test_an_image_only_swe_task_needs_singularity(swe_task, tmp_path):
     if get_settings().sandbox in ("singularity", "apptainer"):
         pytest.skip("this worker runs singularity")

@@ -575,6 +575,7 @@ class ServerSandbox:
             "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8",
             "PYTHONUNBUFFERED": "1",
+            "ROLLOUT_WORKSPACE": INNER_WORKSPACE,
         }
         env.update(self.spec.env)
         return env

@@ -5,8 +5,10 @@ The sandbox has no network, but it has its own loopback: this launcher listens o
 a Unix socket the run worker serves in the bound socket directory. The harness gets
 ``OPENAI_BASE_URL=http://127.0.0.1:<port>/v1``, so any OpenAI client works unchanged.
 
-The harness's final answer is what it writes to ``$ROLLOUT_ANSWER_FILE`` or, if it writes
-nothing there, the last non-empty line of its stdout. The launcher stops the harness (its
+The harness's final answer is what it writes to ``$ROLLOUT_ANSWER_FILE`` (a path in the sandbox's
+own socket directory, made for this attempt and removed with the sandbox) or, if it writes nothing
+there and exits by itself, the last non-empty line of its stdout; a harness stopped before it wrote
+the file has no answer. The launcher stops the harness (its
 whole process group) when the stop file appears or its deadline passes, and ends with one
 line ``RESULT_MARKER {"exit_code", "answer", "stopped"}``.
 """
@@ -120,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except OSError as exc:  # e.g. the program does not exist
         exit_code, stopped, last_line = 127, None, ""
         print(f"cannot start the harness {command!r}: {exc}", file=sys.stderr)
-    answer = last_line
+    answer = last_line if stopped is None else ""
     if os.path.isfile(args.answer_file):
         with open(args.answer_file, "rb") as f:
             answer = f.read(MAX_ANSWER_BYTES).decode("utf-8", "replace").strip()

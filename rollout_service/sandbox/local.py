@@ -3,6 +3,7 @@ for development on machines without bubblewrap, and only when asked for by name.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -18,6 +19,14 @@ class LocalSandbox(ServerSandbox):
         assert self.socket_dir is not None
         return sys.executable, package_root(), self.socket_dir
 
+    def private_tmp(self) -> str:
+        """The tools' temporary directory (``TMPDIR``), inside the socket directory: removed with it,
+        even when the tools were killed before they could clean up."""
+        assert self.socket_dir is not None
+        path = os.path.join(self.socket_dir, "tmp")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
+
     def _launch(self) -> tuple[list[str], dict[str, Any]]:
         log.warning(
             "LOCAL SANDBOX %s for job %s: NO ISOLATION. The agent's commands run as this user, with "
@@ -27,6 +36,7 @@ class LocalSandbox(ServerSandbox):
             self.spec.job_id,
         )
         env = self.sandbox_env()
-        env["HOME"] = self.spec.workspace
+        env["HOME"] = env["ROLLOUT_WORKSPACE"] = self.spec.workspace
+        env["TMPDIR"] = self.private_tmp()
         argv = [sys.executable, *server_arguments(self.spec, self.socket_path, self.spec.workspace, host_import_paths())]
         return argv, {"cwd": self.spec.workspace, "env": env}

@@ -29,6 +29,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,7 +45,8 @@ PYTEST_ARGS = "-m pytest -rA -p no:cacheprovider"
 MAX_PATCH_BYTES = 8 * 1024 * 1024
 MAX_LOG_BYTES = 8 * 1024 * 1024
 LOG_TAIL_CHARS = 2000
-ARTIFACT_PATCH = "/tmp/rollout-artifact.patch"
+ARTIFACT_PATCH = "/tmp/rollout-artifact-{}.patch"  # one per extraction, removed after: /tmp is the host's in a local sandbox
+SANDBOX_WORKSPACE = '"${ROLLOUT_WORKSPACE:-/workspace}"'  # the workspace as the sandbox sees it (a host path in a local one)
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
 IGNORED_IN_DIFF = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
 PASSING = {"PASSED", "XFAIL"}
@@ -215,13 +217,17 @@ class SweHandler:
         if execute is None:
             return {"patch": "", "answer": answer, "error": "no sandbox ran, so nothing changed"}
         base = task["base_commit"]
-        diff = shell(execute, f"cd {shlex.quote(self.repo_dir(task))} && {SAFE_GIT} add -A && {SAFE_GIT} "
-                              f"--no-pager diff --cached --no-color --no-ext-diff --no-textconv --binary {base} "
-                              f"> {ARTIFACT_PATCH}")
-        if diff.get("exit_code") != 0:
-            return {"patch": "", "answer": answer,
-                    "error": f"git diff failed in the sandbox: {diff.get('output', '')[-500:]}"}
-        data = read_sandbox_file(execute, ARTIFACT_PATCH, MAX_PATCH_BYTES) or b""
+        repo = SANDBOX_WORKSPACE if task.get("repo_path") else shlex.quote(self.repo_dir(task))
+        patch_file = ARTIFACT_PATCH.format(uuid.uuid4().hex)
+        try:
+            diff = shell(execute, f"cd {repo} && {SAFE_GIT} add -A && {SAFE_GIT} --no-pager diff --cached "
+                                  f"--no-color --no-ext-diff --no-textconv --binary {base} > {patch_file}")
+            if diff.get("exit_code") != 0:
+                return {"patch": "", "answer": answer,
+                        "error": f"git diff failed in the sandbox: {diff.get('output', '')[-500:]}"}
+            data = read_sandbox_file(execute, patch_file, MAX_PATCH_BYTES) or b""
+        finally:
+            shell(execute, f"rm -f {patch_file}")
         return {"patch": data.decode("utf-8", "replace"), "answer": answer}
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
