@@ -57,6 +57,8 @@ class Settings:
     backend_probe_interval_s: float = 5.0
     call_gate_lease_s: float = 1.5  # a green run worker starts later calls without a round trip each while its gate lease holds; 0: never
     pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
+    max_request_mb: int = 16  # a request body beyond this is a 413
+    max_rollouts_per_request: int = 16384  # rollouts one POST may ask for (bulk: the sum of n; batch: groups x group_size)
     max_turns: int = 20
     max_new_tokens: int = 1024
     sandbox: str = "bwrap"  # "local" (no isolation) only when asked for explicitly
@@ -71,6 +73,8 @@ class Settings:
     tool_timeout_s: float = 120.0
     tool_output_cap_bytes: int = 32 * 1024
     eval_timeout_s: float = 60.0
+    repo_roots: str = ""  # directories (os.pathsep- or comma-separated) task.repo_path may name besides state_dir
+    shutdown_grace_s: float = 15.0  # `up` stopping: each rank of pieces (gateway, workers, backends, Redis) gets this long before it is killed
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
@@ -99,6 +103,12 @@ class Settings:
     @functools.cached_property
     def workspaces_path(self) -> Path:
         return self.state_path / "workspaces"
+
+    @functools.cached_property
+    def repo_root_paths(self) -> tuple[str, ...]:
+        """Where a swe task's ``repo_path`` may be (resolved): the state directory and ``repo_roots``."""
+        named = [p.strip() for part in self.repo_roots.split(os.pathsep) for p in part.split(",")]
+        return tuple(dict.fromkeys(os.path.realpath(p) for p in [str(self.state_path), *named] if p))
 
     @functools.cached_property
     def scratch_path(self) -> str:

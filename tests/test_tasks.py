@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -42,9 +45,10 @@ def git(repo: Path, *args: str) -> str:
 
 
 @pytest.fixture(autouse=True)
-def small_eval_limits(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def small_eval_limits(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     monkeypatch.setenv("ROLLOUT_EVAL_TIMEOUT_S", "20")
     monkeypatch.setenv("ROLLOUT_SANDBOX_MEMORY_MB", "512")
+    monkeypatch.setenv("ROLLOUT_REPO_ROOTS", str(tmp_path_factory.getbasetemp()))  # where the tests make repositories
     get_settings.cache_clear()
     yield
     monkeypatch.undo()
@@ -360,6 +364,57 @@ def test_the_swe_artifact_is_the_diff_computed_inside_the_sandbox(swe_task, tmp_
     assert "b/NOTES.md" in patch and "__pycache__" not in patch and "hooks" not in patch
     assert not (tmp_path / "hook-ran").exists()
     assert swe.score(swe_task, {"patch": patch}).reward == 1.0
+
+
+@pytest.fixture(scope="module")
+def outside_repo() -> Iterator[Path]:
+    """A repository in a 0700 directory outside every allowed root (the secret another user keeps)."""
+    secret = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="secret-"))
+    task = make_swe_task(secret / "dates")
+    yield Path(task["repo_path"])
+    shutil.rmtree(secret)
+
+
+def assert_refused_everywhere(task: dict, match: str = "ROLLOUT_REPO_ROOTS") -> None:
+    """Refused at submission (validate), by the init worker (prepare) and by the grader (score)."""
+    get_settings.cache_clear()
+    with pytest.raises(ValidationError, match=r"task\.repo_path") as at_submission:
+        swe.validate(task)
+    assert match in at_submission.value.message
+    with tempfile.TemporaryDirectory() as workspace, pytest.raises(ValidationError, match=match):
+        swe.prepare(task, Path(workspace))
+    with pytest.raises(ValidationError, match=match):
+        swe.score(task, {"patch": task["patch"]})
+
+
+@pytest.mark.parametrize("how", ["named directly", "through a symlink inside a root", "with .. out of a root"])
+def test_a_swe_repo_path_outside_the_allowed_roots_is_refused_at_submission_init_and_eval(
+        swe_task, outside_repo, tmp_path, how):
+    repo_path = {"named directly": str(outside_repo),
+                 "through a symlink inside a root": str(tmp_path / "link"),
+                 "with .. out of a root": f"{tmp_path}/{'../' * len(tmp_path.parts)}{str(outside_repo).lstrip('/')}"}[how]
+    (tmp_path / "link").symlink_to(outside_repo)
+    assert_refused_everywhere({**swe_task, "repo_path": repo_path})
+
+
+def test_by_default_only_repositories_under_the_state_dir_but_not_job_workspaces_are_allowed(
+        swe_task, tmp_path, monkeypatch):
+    monkeypatch.delenv("ROLLOUT_REPO_ROOTS")
+    monkeypatch.setenv("ROLLOUT_STATE_DIR", str(tmp_path / "state"))
+    inside = make_swe_task(tmp_path / "state" / "repos" / "dates")
+    another_jobs_workspace = make_swe_task(tmp_path / "state" / "workspaces" / "job-1")
+    get_settings.cache_clear()
+    swe.validate(inside)
+    assert swe.prepare(inside, tmp_path / "workspace").extra["repo_dir"] == "/workspace"
+    assert_refused_everywhere(swe_task)
+    assert_refused_everywhere(another_jobs_workspace, match="workspace")
+
+
+def test_repo_roots_may_be_separated_by_the_path_separator_or_commas(swe_task, outside_repo, tmp_path, monkeypatch):
+    for separator in (os.pathsep, ","):
+        monkeypatch.setenv("ROLLOUT_REPO_ROOTS", f"{tmp_path}{separator}{outside_repo.parent}")
+        get_settings.cache_clear()
+        swe.validate({**swe_task, "repo_path": str(outside_repo)})
 
 
 def artifact_files_in_host_tmp() -> dict[str, int]:

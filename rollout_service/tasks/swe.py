@@ -121,10 +121,33 @@ def git(*args: str, cwd: Optional[Path] = None) -> str:
     return result.stdout
 
 
+def _is_under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def allowed_repo_path(repo_path: str) -> str:
+    """``repo_path`` resolved (symlinks, ``..``), if it is under a directory the operator allows
+    (the state directory, ROLLOUT_REPO_ROOTS) and not a job's workspace (an agent writes there)."""
+    settings = get_settings()
+    resolved = os.path.realpath(repo_path)
+    workspaces = os.path.realpath(settings.workspaces_path)
+    if _is_under(resolved, workspaces):
+        raise ValidationError(f"task.repo_path {repo_path} is in the jobs' workspace directory {workspaces}, "
+                              "which agents write: give a repository the operator put in place")
+    roots = settings.repo_root_paths
+    if not any(_is_under(resolved, root) for root in roots):
+        raise ValidationError(
+            f"task.repo_path {repo_path}{f' (resolved: {resolved})' if resolved != repo_path else ''} is outside "
+            f"the directories repositories may be read from ({', '.join(roots)}); put the repository under one "
+            "of them, or have the operator add its directory to ROLLOUT_REPO_ROOTS")
+    return resolved
+
+
 def materialize(repo_path: str, commit: str, target: Path, shallow: bool) -> str:
     """A new repository in ``target`` holding ``commit`` (and, unless shallow, its history, but
-    nothing after it) checked out on branch ``main``. Returns the full commit id."""
-    source = Path(repo_path)
+    nothing after it) checked out on branch ``main``. Returns the full commit id. ``repo_path`` is
+    checked again here: the worker runs as root and must read only what the operator allows."""
+    source = Path(allowed_repo_path(repo_path))
     if not (source / ".git").exists() and not (source / "HEAD").exists():
         raise TaskError(f"task.repo_path {repo_path} is not a git repository on this worker; give a path "
                         "that every init and eval worker can read")
@@ -178,8 +201,10 @@ class SweHandler:
         if task.get("repo_path") is None and task.get("image") is None:
             raise ValidationError("task.repo_path (a local git repository, for bwrap) or task.image "
                                   "(for singularity) is required for domain 'swe'")
-        if task.get("repo_path") is not None and not os.path.isabs(require(task, "repo_path", str, self.name)):
-            raise ValidationError(f"task.repo_path must be an absolute path, got {task['repo_path']!r}")
+        if task.get("repo_path") is not None:
+            if not os.path.isabs(require(task, "repo_path", str, self.name)):
+                raise ValidationError(f"task.repo_path must be an absolute path, got {task['repo_path']!r}")
+            allowed_repo_path(task["repo_path"])
         for name in ("image", "test_cmd"):
             if task.get(name) is not None:
                 require(task, name, str, self.name)
