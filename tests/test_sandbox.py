@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -640,3 +641,96 @@ def test_a_one_shot_module_runs_its_main_confined_and_the_code_grader_grades_tha
     results = json.loads(output.strip().splitlines()[-1].split(" ", 1)[1])
     assert [r["status"] for r in results] == ["passed", "failed"] and "AssertionError" in results[1]["error"]
     assert not (workspace / "grading.json").exists()  # read, then deleted before any submitted code ran
+
+
+LEAVING_WORKER = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import redis
+    from rollout_service.sandbox import SandboxSpec, create_sandbox
+    from rollout_service.sandbox.base import BackgroundStart, descendants
+    from rollout_service.tasks.sandboxed import grading_workspace
+
+    client, root, ending = redis.Redis.from_url(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+    def spec(name, **options):
+        os.makedirs(os.path.join(root, name))
+        return SandboxSpec(name, os.path.join(root, name), **{"tools": ("bash",), "ttl_s": 3600, **options})
+
+    serving = [create_sandbox(kind, spec(f"serving-{n}"), client) for n, kind in enumerate(["bwrap", "local"])]
+    for box in serving:
+        box.start()
+    stopping = [BackgroundStart(create_sandbox("bwrap", spec(f"stopping-{n}"), client)) for n in range(3)]
+    for box in stopping:
+        box.ready()
+    grading = grading_workspace("code", small=True)
+    grading.__enter__()
+    grader = create_sandbox("bwrap", spec("grading", tools=(), script=("sleep", "300")))
+    threading.Thread(target=grader.run, args=(300,), daemon=True).start()
+    while grader.process is None:
+        time.sleep(0.01)
+    boxes = serving + [box.sandbox for box in stopping] + [grader]
+    time.sleep(0.3)
+    pids = [pid for box in boxes for pid in [box.process.pid, *descendants(box.process.pid)]]
+    for box in stopping:
+        box.stop_soon()
+    print(json.dumps(pids), flush=True)
+    if ending == "exits while stopping sandboxes in the background":
+        sys.exit(0)
+    time.sleep(600)
+""")
+
+
+def scratch_entries(scratch: Path) -> list[str]:
+    return sorted(p.name for p in scratch.iterdir())
+
+
+def sandboxes_alive_gauge(redis_client: redis.Redis) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rollout_service.metrics import render
+
+    return next(s.value for family in text_string_to_metric_families(render(redis_client))
+                for s in family.samples if s.name == "rollout_sandboxes_alive")
+
+
+@pytest.fixture
+def private_scratch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A scratch directory of this test's own (short: socket paths must fit in 107 bytes)."""
+    scratch = Path(tempfile.mkdtemp(prefix="rs-"))
+    monkeypatch.setenv("ROLLOUT_SANDBOX_SCRATCH_DIR", str(scratch))
+    get_settings.cache_clear()
+    yield scratch
+    get_settings.cache_clear()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.parametrize("ending", ["SIGKILL", "SIGTERM", "exits while stopping sandboxes in the background"])
+def test_a_worker_that_dies_leaves_no_scratch_directory_process_or_registration_once_reaped(
+        tmp_path: Path, private_scratch: Path, redis_client: redis.Redis, redis_url: str,
+        monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    monkeypatch.setenv("ROLLOUT_SANDBOX_CONCURRENT_STOPS", "1")
+    (tmp_path / "ours").mkdir()
+    ours = create_sandbox("bwrap", SandboxSpec("ours", str(tmp_path / "ours"), tools=("bash",), ttl_s=600),
+                          redis_client)
+    ours.start()
+    try:
+        worker = subprocess.Popen([sys.executable, "-c", LEAVING_WORKER, redis_url, str(tmp_path / "w"), ending],
+                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        pids = json.loads(worker.stdout.readline() or "[]")
+        assert len(pids) >= 6 and sandboxes_alive_gauge(redis_client) >= 3  # ours and its two serving
+        if ending.startswith("SIG"):
+            worker.send_signal(getattr(signal, ending))
+        assert worker.wait(timeout=60) == (0 if ending.startswith("exits") else -getattr(signal, ending))
+        if ending.startswith("exits"):  # it stopped them on its way out: nothing for a reaper to do
+            assert scratch_entries(private_scratch) == [Path(ours.socket_dir).name]
+            assert sandboxes_alive_gauge(redis_client) == 1
+
+        assert reap_expired(redis_client, socket.gethostname()) is not None
+        assert wait_until(lambda: not alive(pids), timeout_s=10), [command_of(p) for p in alive(pids)]
+        assert scratch_entries(private_scratch) == [Path(ours.socket_dir).name]
+        assert sandboxes_alive_gauge(redis_client) == 1 and redis_client.zrange(EXPIRY_KEY, 0, -1) == [
+            ours.sandbox_id.encode()]
+        assert bash(ours, "echo still serving")["output"] == "still serving"
+    finally:
+        ours.stop()
+    assert scratch_entries(private_scratch) == [] and sandboxes_alive_gauge(redis_client) == 0

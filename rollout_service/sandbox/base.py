@@ -2,10 +2,12 @@
 start/execute/stop lifecycle of an action server child process."""
 from __future__ import annotations
 
+import atexit
 import json
-import queue
 import logging
 import os
+import queue
+import re
 import shutil
 import signal
 import socket
@@ -255,6 +257,60 @@ def _descendants_by_scan(pid: int) -> list[int]:
 
 _HAS_CHILDREN_LISTS = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
+SCRATCH_PREFIX = "rollout-"
+_OWNED = re.compile(r"^rollout-(\d+)\.(\d+)-")
+_owner_tags: dict[int, str] = {}
+
+
+def owner_tag() -> str:
+    """``<pid>.<start ticks>`` of this process: names it across pid reuse."""
+    pid = os.getpid()
+    if pid not in _owner_tags:
+        _owner_tags[pid] = f"{pid}.{process_start_ticks(pid) or 0}"
+    return _owner_tags[pid]
+
+
+def make_scratch_dir(label: str, parent: Optional[str] = None) -> str:
+    """A new private directory named after this process (``rollout-<pid>.<ticks>-<label>-…``), in the
+    sandbox scratch directory unless ``parent`` is given: once the process is gone, a reaper knows it is
+    nobody's (``sweep_orphaned_scratch``), even if it was never registered anywhere."""
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{owner_tag()}-{label}-", dir=parent or get_settings().scratch_path)
+
+
+def owner_alive(pid: int, start_ticks: int) -> bool:
+    return pid > 0 and process_start_ticks(pid) == start_ticks
+
+
+def sweep_orphaned_scratch(directories: list[str]) -> list[str]:
+    """Remove the scratch directories (``make_scratch_dir``) of processes that are gone; returns them."""
+    removed = []
+    for directory in dict.fromkeys(directories):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            owner = _OWNED.match(name)
+            if owner and not owner_alive(int(owner[1]), int(owner[2])):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+                removed.append(os.path.join(directory, name))
+    return removed
+
+
+_held: dict[str, "ServerSandbox"] = {}
+
+
+@atexit.register
+def stop_held_sandboxes() -> None:
+    """Stop what this process still holds as it exits (a worker's warm shutdown with stops waiting their
+    turn in the background): their processes would die with it, but their directories and records stay.
+    A process that is killed leaves that to the reaper."""
+    for sandbox in list(_held.values()):
+        try:
+            sandbox.stop()
+        except Exception:
+            log.warning("sandbox %s: could not stop it at exit", sandbox.sandbox_id, exc_info=True)
+
 
 def kill_tree(pid: int, niceness: int = 0, namespace_init: bool = False) -> None:
     """SIGKILL a process group leader and every descendant, including ones in other sessions,
@@ -373,6 +429,7 @@ class ServerSandbox:
         self.process_is_namespace_init = False  # killing it kills every process of the sandbox
         self._client: ActionClient | None = None
         self._stopped = False
+        self._stop_lock = threading.RLock()
         self._log_path: str | None = None
 
     @property
@@ -390,6 +447,7 @@ class ServerSandbox:
             )
         try:
             self._spawn()
+            self._register()
             if self._client is None:
                 self._wait_ready(began + START_TIMEOUT_S)
                 self._client = ActionClient(self.socket_path)
@@ -401,17 +459,24 @@ class ServerSandbox:
             message = f"{self.kind} sandbox failed to start: {exc}; {self._log_tail()}"
             self.stop()
             raise SandboxError(message) from exc
+        except BaseException:
+            self.stop()
+            raise
         self.boot_s = time.monotonic() - began
-        if self.redis is not None:
-            from rollout_service.sandbox.registry import register
 
-            try:
-                register(self.redis, self)
-            except Exception as exc:  # an unregistered sandbox could outlive its worker unseen
-                self.stop()
-                raise SandboxError(
-                    f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check that Redis is reachable"
-                ) from exc
+    def _register(self) -> None:
+        """Registered as soon as its process exists: a worker that dies while it boots leaves a record
+        for the reaper, not an unknown process."""
+        if self.redis is None:
+            return
+        from rollout_service.sandbox.registry import register
+
+        try:
+            register(self.redis, self)
+        except Exception as exc:  # an unregistered sandbox could outlive its worker unseen
+            raise SandboxError(
+                f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check that Redis is reachable"
+            ) from exc
 
     def run(self, timeout_s: float) -> tuple[Optional[int], str]:
         """A one-shot sandbox: run ``spec.script`` to its end (killed after ``timeout_s``) and stop.
@@ -422,6 +487,7 @@ class ServerSandbox:
             raise SandboxError(f"sandbox {self.sandbox_id} was already started; create a new one")
         try:
             self._spawn()
+            self._register()
             output, finished = self._read_to_end(time.monotonic() + timeout_s)
             try:
                 exit_code = self.process.wait(timeout=10) if finished else None  # type: ignore[union-attr]
@@ -449,8 +515,8 @@ class ServerSandbox:
                                                stderr=log_file, start_new_session=True, **popen_options)
 
     def _make_socket_dir(self) -> None:
-        scratch = get_settings().scratch_path
-        self.socket_dir = tempfile.mkdtemp(prefix=f"rollout-{self.sandbox_id[:8]}-", dir=scratch)
+        _held[self.sandbox_id] = self
+        self.socket_dir = make_scratch_dir(self.sandbox_id[:8])
         if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
             raise SandboxError(
                 f"socket path {self.socket_path!r} is longer than a Unix socket allows (107 bytes); "
@@ -492,9 +558,17 @@ class ServerSandbox:
             ) from exc
 
     def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+        """Kill its processes, unregister it, remove its directory. A second caller waits for the first."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            try:
+                self._stop()
+            finally:
+                _held.pop(self.sandbox_id, None)
+
+    def _stop(self) -> None:
         if self._client is not None:
             try:
                 self._client.close()

@@ -356,17 +356,27 @@ class Forked:
         self.stdout = stdout
         self.returncode: Optional[int] = None
         self._status = status_fd
+        self._reading = threading.Lock()  # one reader at a time: the status pipe is closed once read
 
     def poll(self) -> Optional[int]:
-        if self.returncode is None and wait_ready(self._status, 0):
-            self._collect()
+        if self.returncode is None and self._reading.acquire(blocking=False):
+            try:
+                if self.returncode is None and wait_ready(self._status, 0):
+                    self._collect()
+            finally:
+                self._reading.release()
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        if self.returncode is None:
-            if not wait_ready(self._status, timeout):
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-            self._collect()
+        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+        try:
+            if self.returncode is None:
+                if not wait_ready(self._status, timeout):
+                    raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+                self._collect()
+        finally:
+            self._reading.release()
         return self.returncode  # type: ignore[return-value]
 
     def _collect(self) -> None:
