@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -17,9 +16,9 @@ import httpx
 
 from rollout_service.errors import ConfigError, RolloutError
 from rollout_service.models import reference_model_name, resolve_reference_model
-from rollout_service.priority import lower_priority
 from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
+from rollout_service.supervisor import INTAKE, SERVICES, STORE, Supervisor
 
 WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
     "init": ("gevent", "init_concurrency"),
@@ -79,6 +78,8 @@ def worker_command(settings: Settings, queue: str, options: WorkerOptions = Work
 
 
 FLOWER_NICENESS = 10
+FLOWER_USER = "rollout"
+WATCH_INTERVAL_S = 0.5
 
 
 def flower_command(settings: Settings) -> list[str]:
@@ -90,50 +91,6 @@ def flower_command(settings: Settings) -> list[str]:
 def reference_command(settings: Settings, model_dir: Path) -> list[str]:
     return [sys.executable, "-m", "rollout_service.reference_server", "--model", str(model_dir),
             "--port", str(settings.reference_port), "--host", "127.0.0.1"]
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-
-
-class Supervisor:
-    """Starts the pieces as separate processes, logs each to a file, stops them all together."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
-        self.log_dir = log_dir
-        self.env = env
-        self.children: list[Child] = []
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def start(self, name: str, command: list[str], niceness: int = 0) -> Child:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=(lambda: lower_priority(niceness)) if niceness else None)
-        child = Child(name, process)
-        self.children.append(child)
-        return child
-
-    def check(self) -> None:
-        for child in self.children:
-            if child.process.poll() is not None:
-                tail = (self.log_dir / f"{child.name}.log").read_text(errors="replace")[-3000:]
-                raise ConfigError(f"{child.name} exited with code {child.process.returncode}; "
-                                  f"last log lines:\n{tail}")
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                os.killpg(child.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for child in reversed(self.children):
-            try:
-                child.process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.process.pid, signal.SIGKILL)
-                child.process.wait()
 
 
 def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int, ...] = (200,)) -> None:
@@ -175,44 +132,65 @@ def probe_backends_at_start(redis_url: str) -> list[BackendView]:
         client.close()
 
 
+def flower_env(settings: Settings) -> dict[str, str]:
+    """With an API token, Flower asks for it too (user ``rollout``); given in its environment,
+    not its arguments, which every local user can read."""
+    return {"FLOWER_BASIC_AUTH": f"{FLOWER_USER}:{settings.api_token}"} if settings.api_token else {}
+
+
+def mask_password(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    return f"{scheme}://{credentials.split(':')[0]}:***@{host}" if at and ":" in credentials else url
+
+
+def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
+                 model_dir: Optional[Path]) -> None:
+    if model_dir is not None:
+        supervisor.start("reference", reference_command(settings, model_dir), stop_rank=SERVICES)
+    supervisor.start("gateway", gateway_command(settings), stop_rank=INTAKE)
+    for queue in WORKER_POOLS:
+        copies = {"run": args.run_workers or settings.run_workers, "init": args.init_workers}.get(queue, 1)
+        for index in range(copies):
+            suffix = f"-{index + 1}" if copies > 1 else ""
+            supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
+    # monitoring yields the CPU to rollouts: it read every task event at the burst of a big submission
+    supervisor.start("flower", flower_command(settings), niceness=FLOWER_NICENESS, stop_rank=SERVICES,
+                     env=flower_env(settings))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    from rollout_service.redis_server import RedisServer
+    from rollout_service.redis_server import RedisServer, write_private
 
     settings = get_settings()
     state = settings.state_path
     state.mkdir(parents=True, exist_ok=True)
     redis_server: Optional[RedisServer] = None
     redis_url = settings.redis_url
+    supervisor = Supervisor(state / "logs", {}, stop_grace_s=settings.shutdown_grace_s, report=sys.stdout)
     if not redis_url:
         redis_server = RedisServer(state / "redis", port=args.redis_port).start()
         redis_url = redis_server.url
-    (state / "redis.url").write_text(redis_url)
-    env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
-    supervisor = Supervisor(state / "logs", env)
+        supervisor.adopt("redis", redis_server.process, list(redis_server.process.args), STORE,
+                         launch=redis_server.launch, ready=redis_server.wait_ready)
+    write_private(state / "redis.url", redis_url)
+    supervisor.env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
     stop_now = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731
     for stop_signal in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's `cmd &` starts it ignored
         signal.signal(stop_signal, stop_now)
-    run_workers = args.run_workers or settings.run_workers
     try:
         with_reference = not args.no_reference
+        model_dir = None
         if with_reference:
             print(f"preparing the reference model {reference_model_name(settings.reference_model)!r} (once) ...",
                   flush=True)
             model_dir = resolve_reference_model(settings.reference_model, state)
-            supervisor.start("reference", reference_command(settings, model_dir))
-        supervisor.start("gateway", gateway_command(settings))
-        for queue in WORKER_POOLS:
-            copies = {"run": run_workers, "init": args.init_workers}.get(queue, 1)
-            for index in range(copies):
-                suffix = f"-{index + 1}" if copies > 1 else ""
-                supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
-        # monitoring yields the CPU to rollouts: it read every task event at the burst of a big submission
-        supervisor.start("flower", flower_command(settings), niceness=FLOWER_NICENESS)
+        start_pieces(supervisor, settings, args, model_dir)
         address = local_address(settings)
         gateway = f"http://{address}:{settings.port}"
         reference = f"http://127.0.0.1:{settings.reference_port}"
         wait_http(f"{gateway}/healthz", supervisor, 60)
-        if with_reference:
+        if model_dir is not None:
             wait_http(f"{reference}/health", supervisor, 120)
             register_reference(gateway, reference, model_dir, settings)
         backends = probe_backends_at_start(redis_url)
@@ -223,28 +201,29 @@ def cmd_up(args: argparse.Namespace) -> int:
         wait_http(f"http://{address}:{settings.flower_port}/healthcheck", supervisor, 60)
         unhealthy = [b for b in backends if not b.healthy]
         everywhere = " (every interface)" if address != settings.bind_host else ""
-        print(f"rollout-service is up (Ctrl-C stops everything)\n"
+        run_workers = args.run_workers or settings.run_workers
+        print(f"rollout-service is up (Ctrl-C stops everything; a piece that dies is restarted)\n"
               f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
-              f"  flower     http://{address}:{settings.flower_port}{everywhere}\n"
+              f"  flower     http://{address}:{settings.flower_port}{everywhere}"
+              + (f"  (user {FLOWER_USER!r}, the API token as password)" if settings.api_token else "") + "\n"
               + (f"  reference  {reference}  (model '{reference_model_name(settings.reference_model)}', registered and healthy)\n" if with_reference else "")
               + f"  workers    init x{args.init_workers}, run x{run_workers}, eval, control\n"
-              f"  redis      {redis_url}\n"
+              f"  redis      {mask_password(redis_url)}"
+              + (f"  (password in {redis_server.data_dir / 'password'})" if redis_server else "") + "\n"
               f"  logs       {supervisor.log_dir}", flush=True)
         for b in unhealthy:
             print(f"  unhealthy backend {b.id} {b.url} (model {b.model!r}) does not answer /health; "
                   f"remove it with DELETE {gateway}/v1/backends/{b.id}", flush=True)
         while True:
-            supervisor.check()
-            time.sleep(1)
+            supervisor.watch()
+            time.sleep(WATCH_INTERVAL_S)
     except KeyboardInterrupt:
-        print("\nstopping ...", flush=True)
+        print("\nstopping: intake, then workers, then backends and monitoring, then Redis ...", flush=True)
         return 0
     finally:
         for stop_signal in (signal.SIGTERM, signal.SIGINT):  # a second Ctrl-C must not orphan children
             signal.signal(stop_signal, signal.SIG_IGN)
         supervisor.stop()
-        if redis_server:
-            redis_server.stop()
 
 
 def cmd_exec(command: list[str]) -> int:

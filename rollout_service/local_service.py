@@ -10,10 +10,11 @@ from typing import Iterator
 
 import redis
 
-from rollout_service.cli import WORKER_POOLS, Supervisor, gateway_command, wait_http, worker_command
+from rollout_service.cli import WORKER_POOLS, gateway_command, wait_http, worker_command
 from rollout_service.client import RolloutClient
 from rollout_service.redis_server import RedisServer, free_port
 from rollout_service.settings import Settings
+from rollout_service.supervisor import INTAKE, Supervisor
 
 
 @dataclass
@@ -47,7 +48,7 @@ def local_service(state: Path, appendonly: bool = True, **settings_env: str) -> 
     running = LocalService(f"http://127.0.0.1:{port}", redis_server.url, state,
                            Supervisor(state / "logs", env), env, redis_server)
     try:
-        running.supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"))
+        running.supervisor.start("gateway", gateway_command(settings, bind="127.0.0.1"), stop_rank=INTAKE)
         for queue in WORKER_POOLS:
             running.supervisor.start(f"worker-{queue}", worker_command(settings, queue))
         wait_http(f"{running.url}/readyz", running.supervisor, 90)

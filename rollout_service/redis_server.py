@@ -1,15 +1,27 @@
-"""Start a private redis-server: for ``rollout-service up`` without ROLLOUT_REDIS_URL, and for tests."""
+"""Start a private redis-server: for ``rollout-service up`` without ROLLOUT_REDIS_URL, and for tests.
+
+It is private to the user who starts it: a generated password (kept 0600 in its directory), its
+files 0600 in a 0700 directory, the commands that reconfigure or wipe a server disabled, and, when
+started by root through sudo, run as the invoking user."""
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import redis
 
 from rollout_service.errors import ConfigError
+
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "REPLICAOF", "SLAVEOF", "FLUSHALL", "SHUTDOWN", "MONITOR",
+                     "SYNC", "PSYNC", "MIGRATE", "ACL")
+PASSWORD_FILE = "password"
+CONFIG_FILE = "redis.conf"
 
 
 def find_redis_server() -> str:
@@ -33,6 +45,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, readable by its owner only (also when it existed before)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(text)
+
+
+def invoking_user() -> Optional[tuple[int, int]]:
+    """(uid, gid) of the user who ran ``sudo``, when this process is root started through sudo."""
+    if os.geteuid() != 0 or not os.environ.get("SUDO_UID", "").isdigit():
+        return None
+    uid, gid = int(os.environ["SUDO_UID"]), int(os.environ.get("SUDO_GID") or os.environ["SUDO_UID"])
+    return (uid, gid) if uid != 0 else None
+
+
 class RedisServer:
     """A redis-server child process with AOF on and ``noeviction`` (broker keys must never be evicted)."""
 
@@ -43,31 +71,63 @@ class RedisServer:
         self.process: subprocess.Popen | None = None
 
     @property
+    def password(self) -> str:
+        path = self.data_dir / PASSWORD_FILE
+        if not path.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            write_private(path, secrets.token_urlsafe(32))
+        return path.read_text().strip()
+
+    @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        """The server's command line; the password and the disabled commands are in its 0600
+        config file, not in its arguments (which every local user can read in /proc)."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)
+        for existing in self.data_dir.rglob("*"):
+            existing.chmod(0o700 if existing.is_dir() else 0o600)
+        lines = [f"requirepass {self.password}", f"port {self.port}", "bind 127.0.0.1", "protected-mode yes",
+                 f'dir "{self.data_dir}"', "maxmemory-policy noeviction",
+                 f"appendonly {'yes' if self.appendonly else 'no'}", "appendfsync everysec", 'save ""',
+                 "daemonize no", "loglevel warning", f'logfile "{self.data_dir / "redis.log"}"',
+                 *(f'rename-command {name} ""' for name in DISABLED_COMMANDS)]
+        write_private(self.data_dir / CONFIG_FILE, "\n".join(lines) + "\n")
+        return [find_redis_server(), str(self.data_dir / CONFIG_FILE)]
+
+    def launch(self, command: list[str], **popen: object) -> subprocess.Popen:
+        """Start ``command`` as this server: files private, as the invoking user under sudo."""
+        user = invoking_user()
+        if user:
+            for path in [self.data_dir, *self.data_dir.rglob("*")]:
+                os.chown(path, *user)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_private_as(user), **popen)  # type: ignore[arg-type]
 
     def start(self, ready_timeout_s: float = 10.0) -> "RedisServer":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir), "--maxmemory-policy", "noeviction",
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-            "--save", "", "--daemonize", "no", "--loglevel", "warning",
-            "--logfile", str(self.data_dir / "redis.log"),
-        ]
-        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = self.launch(self.command())
+        self.wait_ready(ready_timeout_s)
+        return self
+
+    def wait_ready(self, ready_timeout_s: float = 10.0) -> None:
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + ready_timeout_s
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise ConfigError(f"redis-server did not start on port {self.port}: {log}")
-                time.sleep(0.02)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    assert self.process is not None
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+                        raise ConfigError(f"redis-server did not start on port {self.port}: {log}")
+                    time.sleep(0.02)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -77,3 +137,12 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _private_as(user: Optional[tuple[int, int]]) -> Callable[[], None]:
+    def prepare() -> None:
+        os.umask(0o077)
+        if user:
+            os.setgid(user[1])
+            os.setuid(user[0])
+    return prepare
