@@ -103,11 +103,12 @@ class RedisServer:
         if user:
             for path in [self.data_dir, *self.data_dir.rglob("*")]:
                 os.chown(path, *user)
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_private_as(user), **popen)  # type: ignore[arg-type]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_private_as(user), **popen)  # type: ignore[arg-type]
+        return self.process
 
     def start(self, ready_timeout_s: float = 10.0) -> "RedisServer":
-        self.process = self.launch(self.command())
+        self.launch(self.command())
         self.wait_ready(ready_timeout_s)
         return self
 

@@ -114,7 +114,7 @@ class Supervisor:
                     self._spawn(child)
                     if child.ready:
                         child.ready()
-                except Exception as exc:  # it failed to start: it is dead, the next watch tries again
+                except Exception as exc:  # it is dead again: the next watch restarts it, later
                     self._say(f"{child.name} failed to restart: {exc}")
                     continue
                 self._say(f"{child.name} restarted (restart {child.restarts})")
