@@ -297,7 +297,7 @@ def sweep_orphaned_scratch(directories: list[str]) -> list[str]:
     return removed
 
 
-_held: dict[str, "ServerSandbox"] = {}
+_held: dict[str, "ServerSandbox"] = {}  # started by this process (a forked child inherits, but does not own, them)
 
 
 @atexit.register
@@ -305,7 +305,7 @@ def stop_held_sandboxes() -> None:
     """Stop what this process still holds as it exits (a worker's warm shutdown with stops waiting their
     turn in the background): their processes would die with it, but their directories and records stay.
     A process that is killed leaves that to the reaper."""
-    for sandbox in list(_held.values()):
+    for sandbox in [held for held in _held.values() if held.owner_pid == os.getpid()]:
         try:
             sandbox.stop()
         except Exception:
@@ -430,6 +430,7 @@ class ServerSandbox:
         self._client: ActionClient | None = None
         self._stopped = False
         self._stop_lock = threading.RLock()
+        self.owner_pid = os.getpid()
         self._log_path: str | None = None
 
     @property
@@ -515,6 +516,7 @@ class ServerSandbox:
                                                stderr=log_file, start_new_session=True, **popen_options)
 
     def _make_socket_dir(self) -> None:
+        self.owner_pid = os.getpid()
         _held[self.sandbox_id] = self
         self.socket_dir = make_scratch_dir(self.sandbox_id[:8])
         if not self.spec.script and len(self.socket_path) > MAX_SOCKET_PATH:
