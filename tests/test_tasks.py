@@ -271,6 +271,17 @@ def test_the_code_artifact_is_the_finish_answer_or_the_file_it_names(tmp_path, a
     assert code.score(ADD, code.artifact(ADD, "/workspace/mine.py", "", sandbox)).reward == 1.0
 
 
+def test_the_code_artifact_of_a_local_sandbox_is_read_from_its_own_workspace_not_a_host_path(tmp_path):
+    for n in range(2):
+        workspace = tmp_path / f"job-{n}"
+        code.prepare(ADD, workspace)
+        (workspace / "solution.py").write_text(f"def add(xs):\n    return {n}\n")
+        with create_sandbox("local", SandboxSpec(f"job-{n}", str(workspace), tools=("bash",))) as sandbox:
+            sandbox.execute("bash", {"command": "cd /"}, 10)  # the agent's shell may end anywhere
+            assert code.artifact(ADD, None, "I gave up.", sandbox)["code"] == f"def add(xs):\n    return {n}\n"
+            assert code.artifact(ADD, "solution.py", "", sandbox)["code"] == f"def add(xs):\n    return {n}\n"
+
+
 # -- swe ------------------------------------------------------------------------------------
 
 def test_the_files_a_patch_touches_and_pytest_statuses_are_parsed():

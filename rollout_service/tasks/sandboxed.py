@@ -23,6 +23,7 @@ from rollout_service.errors import TaskError
 from rollout_service.settings import get_settings
 
 SANDBOX_GRACE_S = 15.0
+INNER_WORKSPACE = "/workspace"
 READ_CHUNK_BYTES = 16 * 1024
 
 
@@ -85,10 +86,19 @@ def _unknown_tool(observation: dict[str, Any]) -> bool:
     return bool(observation.get("error")) and "unknown tool" in str(observation.get("error"))
 
 
+def sandbox_path(path: str) -> str:
+    """``path`` quoted for the sandbox's shell, ``/workspace`` being the job's workspace as the sandbox
+    sees it (``$ROLLOUT_WORKSPACE``: a host path in a local sandbox, where /workspace is nobody's)."""
+    if path == INNER_WORKSPACE or path.startswith(INNER_WORKSPACE + "/"):
+        rest = path[len(INNER_WORKSPACE):]
+        return f'"${{ROLLOUT_WORKSPACE:-{INNER_WORKSPACE}}}"' + (shlex.quote(rest) if rest else "")
+    return shlex.quote(path)
+
+
 def read_sandbox_file(execute: Any, path: str, max_bytes: int) -> Optional[bytes]:
     """The bytes of ``path`` inside a live sandbox, read in base64 chunks small enough for the
     tool output cap; None when it is not a regular file. Raises TaskError past ``max_bytes``."""
-    quoted = shlex.quote(path)
+    quoted = sandbox_path(path)
     probe = shell(execute, f"test -f {quoted} && ! test -L {quoted} && wc -c < {quoted}")
     size_text = probe.get("output", "").strip().splitlines()[-1:] or [""]
     if probe.get("exit_code") != 0 or not size_text[0].isdigit():

@@ -38,7 +38,7 @@ from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
 from rollout_service.tasks import Prepared, require
 from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading_workspace, read_sandbox_file,
-                                             read_untrusted_file, shell)
+                                             read_untrusted_file, sandbox_path, shell)
 
 DEFAULT_IMAGE_REPO_DIR = "/testbed"
 PYTEST_ARGS = "-m pytest -rA -p no:cacheprovider"
@@ -46,7 +46,6 @@ MAX_PATCH_BYTES = 8 * 1024 * 1024
 MAX_LOG_BYTES = 8 * 1024 * 1024
 LOG_TAIL_CHARS = 2000
 ARTIFACT_PATCH = "/tmp/rollout-artifact-{}.patch"  # one per extraction, removed after: /tmp is the host's in a local sandbox
-SANDBOX_WORKSPACE = '"${ROLLOUT_WORKSPACE:-/workspace}"'  # the workspace as the sandbox sees it (a host path in a local one)
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
 IGNORED_IN_DIFF = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
 PASSING = {"PASSED", "XFAIL"}
@@ -242,7 +241,7 @@ class SweHandler:
         if execute is None:
             return {"patch": "", "answer": answer, "error": "no sandbox ran, so nothing changed"}
         base = task["base_commit"]
-        repo = SANDBOX_WORKSPACE if task.get("repo_path") else shlex.quote(self.repo_dir(task))
+        repo = sandbox_path(self.repo_dir(task))
         patch_file = ARTIFACT_PATCH.format(uuid.uuid4().hex)
         try:
             diff = shell(execute, f"cd {repo} && {SAFE_GIT} add -A && {SAFE_GIT} --no-pager diff --cached "
