@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -17,13 +19,32 @@ def tool_call(name: str, **arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-@pytest.fixture
-def swe_task(tmp_path: Path) -> dict:
-    made = subprocess.run([sys.executable, str(EXAMPLES / "make_swe_repo.py"), str(tmp_path / "dates")],
+def make_swe_task(directory: Path) -> dict:
+    made = subprocess.run([sys.executable, str(EXAMPLES / "make_swe_repo.py"), str(directory)],
                           check=True, capture_output=True, text=True)
     task = json.loads(made.stdout)
     task.pop("patch")  # the gold patch is for graders, not for the agent
     return task
+
+
+@pytest.fixture
+def swe_task(service) -> dict:
+    """The example repository under the service's state directory, the one root allowed by default."""
+    return make_swe_task(service.state_dir / "repos" / uuid.uuid4().hex[:8] / "dates")
+
+
+def test_a_task_whose_repo_path_is_outside_the_allowed_roots_is_refused_at_submission(service, tmp_path):
+    secret = tmp_path / "private"
+    task = make_swe_task(secret / "dates")
+    secret.chmod(0o700)
+    response = httpx.post(f"{service.url}/v1/jobs", json={"task": task})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "task.repo_path" in message and "ROLLOUT_REPO_ROOTS" in message
+    linked = service.state_dir / "repos" / uuid.uuid4().hex[:8]
+    linked.parent.mkdir(exist_ok=True)
+    linked.symlink_to(secret / "dates")
+    assert httpx.post(f"{service.url}/v1/jobs", json={"task": {**task, "repo_path": str(linked)}}).status_code == 400
 
 
 def test_a_scripted_agent_fixes_the_example_repository_and_is_resolved(client, scripted_backend, swe_task):

@@ -31,8 +31,10 @@ def reward(service, task: dict, submission: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def swe_task(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    made = subprocess.run([sys.executable, str(EXAMPLES / "make_swe_repo.py"), str(tmp_path_factory.mktemp("swe") / "r")],
+def swe_task(service) -> dict:
+    """The example repository under the service's state directory, the one root allowed by default."""
+    made = subprocess.run([sys.executable, str(EXAMPLES / "make_swe_repo.py"),
+                           str(service.state_dir / "repos" / "score-api" / "r")],
                           check=True, capture_output=True, text=True)
     return json.loads(made.stdout)
 
