@@ -42,26 +42,43 @@ FRAME_CACHE_SIZE = 256  # message shapes (roles, names, tools) a process renders
 _FRAME_CHECKS = ("x", "  padded\n\n", "\n", "<tool_response>\nout\n</tool_response>", "a</think>\nb",
                  '{"q": "\\"x\\""}\t{{ raw }}', "<|im_end|>", "ÿ émoji 🎉")
 SEGMENT_CACHE_SIZE = 4096  # texts between special tokens (system prompts, tool schemas, role headers)
-_loading = threading.RLock()  # transformers' lazy imports are not thread-safe on first use
+_importing = threading.Lock()  # transformers' lazy imports are not thread-safe on first use
+_locks_lock = threading.Lock()
+_name_locks: dict[str, threading.RLock] = {}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _lock_for(name_or_path: str) -> threading.RLock:
+    """One lock per tokenizer: a slow or failing load never holds up another tokenizer's."""
+    with _locks_lock:
+        return _name_locks.setdefault(name_or_path, threading.RLock())
 
 
 def load_tokenizer(name_or_path: str) -> Any:
-    """A transformers tokenizer, loaded once per process (safe from many worker threads)."""
-    with _loading:
+    """A transformers tokenizer, loaded once per process (safe from many worker threads), from a
+    local directory or the Hugging Face cache: never from the network."""
+    with _lock_for(name_or_path):
         return _load_tokenizer(name_or_path)
+
+
+def _transformers() -> Any:
+    with _importing:
+        import transformers
+
+        return transformers
 
 
 @functools.lru_cache(maxsize=16)
 def _load_tokenizer(name_or_path: str) -> Any:
+    problem = tokenizer_problem(name_or_path)
+    if problem is not None:
+        raise ConfigError(problem)
+    transformers = _transformers()
     try:
         if _is_plain_tokenizers_dir(Path(name_or_path)):
             # What AutoTokenizer would pick here too, without importing torch (~1.5 s).
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(name_or_path)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(name_or_path)
+            return transformers.PreTrainedTokenizerFast.from_pretrained(name_or_path, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load a tokenizer from {name_or_path!r} ({exc}); pass a local directory "
@@ -69,6 +86,33 @@ def _load_tokenizer(name_or_path: str) -> Any:
             "`python -m rollout_service.tiny_model DIR`) or a model name already in the "
             "Hugging Face cache"
         ) from exc
+
+
+def tokenizer_problem(name_or_path: str) -> str | None:
+    """Why ``name_or_path`` is no tokenizer this machine can load offline, or None: a directory
+    holding a tokenizer's files, or a model name whose tokenizer is in the Hugging Face cache.
+    Cheap (no transformers): what registering a backend checks."""
+    path = Path(name_or_path).expanduser()
+    wanted = "/".join(TOKENIZER_FILES)
+    if path.is_dir():
+        if any((path / name).is_file() for name in TOKENIZER_FILES):
+            return None
+        return (f"tokenizer {name_or_path!r}: the directory {str(path)!r} holds none of {wanted}; pass the "
+                "directory of the model's tokenizer (e.g. the model's own directory)")
+    looks_like_path = path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
+    if looks_like_path:
+        return f"tokenizer {name_or_path!r}: no such directory on this machine; pass a local directory holding {wanted}"
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = any(isinstance(try_to_load_from_cache(name_or_path, name), str) for name in TOKENIZER_FILES)
+    except ValueError:  # not a valid repository id
+        cached = False
+    if cached:
+        return None
+    return (f"tokenizer {name_or_path!r} is neither a local directory nor a model name whose tokenizer is in "
+            f"the Hugging Face cache ({constants.HF_HUB_CACHE}); tokenizers load offline: pass a directory "
+            f"holding {wanted}, or download it first (`huggingface-cli download {name_or_path}`)")
 
 
 def _is_plain_tokenizers_dir(path: Path) -> bool:
@@ -95,13 +139,14 @@ def renderer_for(name_or_path: str) -> "ChatRenderer":
     one loaded first is dropped."""
     renderer = _renderers.get(name_or_path)
     if renderer is None:
-        with _loading:
+        with _lock_for(name_or_path):
             renderer = _renderers.get(name_or_path)  # another thread may have loaded it meanwhile
             if renderer is None:
                 renderer = ChatRenderer(load_tokenizer(name_or_path))
-                while len(_renderers) >= RENDERERS_KEPT:
-                    del _renderers[next(iter(_renderers))]
-                _renderers[name_or_path] = renderer
+                with _locks_lock:
+                    while len(_renderers) >= RENDERERS_KEPT:
+                        _renderers.pop(next(iter(_renderers)), None)
+                    _renderers[name_or_path] = renderer
     return renderer
 
 

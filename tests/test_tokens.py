@@ -1,15 +1,19 @@
 """The tiny offline tokenizer/model and the chat renderer's token-level prompt building."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from rollout_service.errors import ConfigError
 from rollout_service.tiny_model import SPECIAL_TOKENS, build_tiny_tokenizer
-from rollout_service.tokens import ChatRenderer, load_tokenizer
+from rollout_service.tokens import ChatRenderer, load_tokenizer, renderer_for
 
 TOOLS = [
     {"type": "function", "function": {
@@ -80,6 +84,55 @@ def test_the_tiny_model_has_the_tokenizers_vocabulary_and_stops_at_im_end(tiny_m
 def test_loading_a_tokenizer_from_a_missing_directory_says_what_to_pass(tmp_path):
     with pytest.raises(ConfigError, match="local directory"):
         load_tokenizer(str(tmp_path / "nowhere"))
+
+
+def test_a_tokenizer_name_not_on_this_machine_fails_at_once_without_asking_the_model_hub():
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="'tiny'.*Hugging Face cache"):
+        load_tokenizer("tiny")
+    assert time.monotonic() - started < 5
+
+
+def test_a_tokenizer_stuck_loading_does_not_hold_up_loading_another(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    stuck, other = tmp_path / "stuck", tmp_path / "other"
+    shutil.copytree(tiny_tokenizer_dir, stuck)
+    shutil.copytree(tiny_tokenizer_dir, other)
+    release = threading.Event()
+    load = PreTrainedTokenizerFast.from_pretrained.__func__
+
+    def slow_for_stuck(cls, path, *args, **kwargs):  # a load waiting on a slow disk or network mount
+        if str(path) == str(stuck):
+            release.wait(30)
+        return load(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", classmethod(slow_for_stuck))
+    first = threading.Thread(target=load_tokenizer, args=(str(stuck),), daemon=True)
+    first.start()
+    time.sleep(0.2)
+    try:
+        loaded = []
+        second = threading.Thread(target=lambda: loaded.append(renderer_for(str(other))), daemon=True)
+        second.start()
+        second.join(timeout=20)
+        assert loaded, "loading one tokenizer waited for another one's load"
+        assert first.is_alive()
+    finally:
+        release.set()
+        first.join(timeout=20)
+
+
+def test_tokenizer_problem_names_what_was_looked_for_and_accepts_loadable_tokenizers(tmp_path, tiny_tokenizer_dir):
+    from rollout_service.tokens import tokenizer_problem
+
+    assert tokenizer_problem(str(tiny_tokenizer_dir)) is None
+    name = tokenizer_problem("tiny")
+    assert "'tiny'" in name and "Hugging Face cache" in name and "directory" in name
+    empty = tokenizer_problem(str(tmp_path))
+    assert str(tmp_path) in empty and "tokenizer.json" in empty
+    missing = tokenizer_problem(str(tmp_path / "nowhere"))
+    assert "nowhere" in missing and "no such directory" in missing
 
 
 # --------------------------------------------------------------------------- chat template
