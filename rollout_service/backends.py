@@ -34,6 +34,11 @@ from rollout_service.store import scripts_of
 from rollout_service.store import as_text
 
 FAILURES_TO_UNHEALTHY = 2
+
+
+class AllBackendsDown(NoBackendAvailable):
+    """Every backend of the model is unhealthy (its engines may be restarting): worth waiting for."""
+
 FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_call_soon's answer
 PROBE_THREADS = 32
 
@@ -52,7 +57,7 @@ local function version() return redis.call('GET', key('version')) or '0' end
 """
 
 _REGISTER = _LUA_KEYS + """
-local id, url, kind, model, tokenizer = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local id, url, kind, model, tokenizer, healthy = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local info = key('info', id)
 local old_model = redis.call('HGET', info, 'model')
 if old_model and old_model ~= model then
@@ -62,7 +67,7 @@ if old_model and old_model ~= model then
 end
 if not old_model then redis.call('HSET', info, 'total_assignments', 0) end
 redis.call('HSET', info, 'id', id, 'url', url, 'kind', kind, 'model', model,
-           'tokenizer', tokenizer, 'healthy', 1, 'failures', 0)
+           'tokenizer', tokenizer, 'healthy', healthy, 'failures', 0)
 redis.call('ZADD', key('heap', model), redis.call('SCARD', key('jobs', id)), id)
 redis.call('SADD', key('ids'), id)
 redis.call('SADD', key('models'), model)
@@ -318,10 +323,11 @@ class BackendPool:
 
     # registry
 
-    def register(self, spec: BackendSpec) -> BackendView:
+    def register(self, spec: BackendSpec, healthy: bool = True) -> BackendView:
+        """Add (or update) the backend at ``spec.url``; ``healthy``: what its first probe said."""
         backend_id = backend_id_for(spec.url)
         self._register(args=[self.prefix, backend_id, spec.url, spec.kind, spec.model,
-                             spec.tokenizer or spec.model])
+                             spec.tokenizer or spec.model, int(healthy)])
         return self.get(backend_id)
 
     def remove(self, backend_id: str) -> None:
@@ -370,15 +376,18 @@ class BackendPool:
         ``"later"`` for the others. The answer also says whether this call made the job's
         assignment (``drop_first_call`` undoes an unused one)."""
         pending = submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"])
-        read: list[tuple[BackendView | str, bool]] = []  # read once: prepare and the first call both ask
+        replies: list[Any] = []  # read once: prepare and the first call both ask
 
         def answer() -> tuple[BackendView | str, bool]:
-            if not read:
-                reply = pending()
-                status = as_text(reply[0])
-                read.append((status, False) if status in ("cancelled", "paused", "later")
-                            else (self._granted(reply), as_text(reply[3]) == "1"))
-            return read[0]
+            if not replies:
+                replies.append(pending())
+            reply = replies[0]
+            status = as_text(reply[0])
+            if status in ("cancelled", "paused", "later"):
+                return status, False
+            if len(replies) == 1:
+                replies.append((self._granted(reply), as_text(reply[3]) == "1"))
+            return replies[1]
         return answer
 
     def drop_first_call(self, job_id: str, answer: FirstCall) -> None:
@@ -415,7 +424,7 @@ class BackendPool:
                 "sampling.model to one of them or register a backend for it (POST /v1/backends)"
             )
         model_name, urls = rest[0], rest[1:]
-        raise NoBackendAvailable(
+        raise AllBackendsDown(
             f"no healthy backend for model {model_name!r}: all {len(urls)} registered "
             f"({', '.join(urls)}) failed their /health probes or calls; start or fix them "
             "(they come back on the next good probe), or register a healthy one with "
@@ -576,6 +585,19 @@ def _health_client() -> httpx.Client:
     if client is None:
         client = _health_clients[os.getpid()] = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
     return client
+
+
+def admitted(spec: BackendSpec, probe_timeout_s: float = 2.0) -> bool:
+    """Check a backend about to be registered: a tokenizer this host cannot load offline is a
+    ValidationError naming it; the answer is whether the server answers its health probe now (a
+    server still starting is registered unhealthy, and its jobs wait for it)."""
+    from rollout_service.tokens import tokenizer_problem
+
+    tokenizer = spec.tokenizer or spec.model
+    if (problem := tokenizer_problem(tokenizer)) is not None:
+        defaulted = "" if spec.tokenizer else " (`tokenizer` defaults to `model`)"
+        raise ValidationError(f"`tokenizer`{defaulted}: {problem}")
+    return _answers_health(_health_client(), spec.url.rstrip("/"), probe_timeout_s)
 
 
 def _answers_health(client: httpx.Client, url: str, timeout_s: float) -> bool:

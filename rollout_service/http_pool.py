@@ -33,9 +33,35 @@ class ReadTimedOut(Exception):
     """The server took longer than the timeout to answer."""
 
 
+class Aborted(Exception):
+    """The request was aborted by its ``Abort`` handle (its connection closed under it)."""
+
+
+class Abort:
+    """A handle to abort one request from another thread or greenlet: its connection is shut down,
+    which ends the wait for the answer at once and tells the server its client left."""
+
+    __slots__ = ("requested", "sock")
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.sock: socket.socket | None = None
+
+    def abort(self) -> None:
+        self.requested = True
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class Transport(Protocol):
-    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
-        """POST ``body`` (JSON) to ``url``: (status, response body), or ConnectFailed / ReadTimedOut."""
+    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float,
+                  abort: Abort | None = None) -> tuple[int, bytes]:
+        """POST ``body`` (JSON) to ``url``: (status, response body), or ConnectFailed / ReadTimedOut /
+        Aborted."""
 
 
 ADDRESS_TTL_S = 30.0
@@ -195,7 +221,8 @@ class KeepAlivePool:
         self._idle: dict[tuple[str, str, int], list[Connection]] = {}
         self._lock = threading.Lock()
 
-    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
+    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float,
+                  abort: Abort | None = None) -> tuple[int, bytes]:
         parts = urlsplit(url)
         key = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -205,18 +232,27 @@ class KeepAlivePool:
                 if connection.sock is None:
                     connection.connect()
                 connection.sock.settimeout(timeout_s)
+                if abort is not None:
+                    abort.sock = connection.sock
+                    if abort.requested:
+                        raise Aborted("aborted before it was sent")
                 status, data, keep_alive = self._exchange(connection, path, body)
-            except (socket.timeout, TimeoutError) as exc:
+            except BaseException as exc:
                 connection.close()
-                raise ReadTimedOut(str(exc) or "timed out") from exc
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as exc:
-                connection.close()
-                if reused and attempt == 0:  # the server closed an idle keep-alive connection
-                    continue
-                raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
-            except (OSError, ValueError, ProtocolError, http.client.HTTPException) as exc:
-                connection.close()
-                raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+                if abort is not None and abort.requested:
+                    raise Aborted(f"aborted ({type(exc).__name__}: {exc})") from exc
+                if isinstance(exc, (socket.timeout, TimeoutError)):
+                    raise ReadTimedOut(str(exc) or "timed out") from exc
+                if isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+                    if reused and attempt == 0:  # the server closed an idle keep-alive connection
+                        continue
+                    raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+                if isinstance(exc, (OSError, ValueError, ProtocolError, http.client.HTTPException)):
+                    raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+                raise
+            finally:
+                if abort is not None:
+                    abort.sock = None
             if keep_alive:
                 self._give_back(key, connection)
             else:

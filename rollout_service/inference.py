@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from rollout_service.http_pool import ConnectFailed, ReadTimedOut, Transport, shared_pool
+from rollout_service.http_pool import Abort, Aborted, ConnectFailed, ReadTimedOut, Transport, shared_pool
 from rollout_service.errors import (
     BackendError,
     BackendRejected,
@@ -62,7 +62,8 @@ class InferenceClient(Protocol):
     model: str
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+        abort: Abort | None = None,
     ) -> Generation: ...
 
 
@@ -72,7 +73,10 @@ class HttpxTransport:
     def __init__(self, client: httpx.Client) -> None:
         self.client = client
 
-    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float) -> tuple[int, bytes]:
+    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float,
+                  abort: Abort | None = None) -> tuple[int, bytes]:
+        if abort is not None and abort.requested:
+            raise Aborted("aborted before it was sent")
         try:
             response = self.client.post(url, content=body, headers={"Content-Type": "application/json"},
                                         timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
@@ -172,22 +176,25 @@ class _HTTPInferenceClient:
         raise NotImplementedError
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+        abort: Abort | None = None,
     ) -> Generation:
+        """``abort``: a handle that ends the request at once from elsewhere (``Aborted`` is raised)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         started = time.monotonic()
-        payload = self._post(self.request_body(list(prompt_ids), sampling, max_new_tokens), timeout_s)
+        payload = self._post(self.request_body(list(prompt_ids), sampling, max_new_tokens), timeout_s, abort)
         token_ids, logprobs, finish_reason = self.parse_response(payload)
         return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
 
-    def _post(self, body: dict[str, Any], timeout_s: float) -> Any:
+    def _post(self, body: dict[str, Any], timeout_s: float, abort: Abort | None = None) -> Any:
         endpoint = self.url + self.path
         payload = dumps_body(body)
         attempts = 1 + max(0, self.connect_retries)
+        connect_timeout_s = min(timeout_s, CONNECT_TIMEOUT_S)
         for attempt in range(attempts):
             try:
-                status, content = self.http.post_json(endpoint, payload, timeout_s, min(timeout_s, CONNECT_TIMEOUT_S))
+                status, content = self.http.post_json(endpoint, payload, timeout_s, connect_timeout_s, abort)
                 break
             except ConnectFailed as exc:
                 if attempt + 1 == attempts:

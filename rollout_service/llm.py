@@ -13,12 +13,17 @@ from typing import Callable, Optional
 import redis
 
 from rollout_service.agent import EpisodeInterrupted
-from rollout_service.backends import BackendPool, FirstCall
+from rollout_service.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.errors import (BackendError, BackendTimeout, BackendUnreachable, ContextWindowExceeded,
-                                    NoBackendAvailable)
+                                    NoBackendAvailable, NotFound)
+from rollout_service.green import in_background
+from rollout_service.http_pool import Abort, Aborted
 from rollout_service.inference import Generation, InferenceClient, make_client
 from rollout_service.schemas import BackendView, FinishReason, Sampling
+from rollout_service.settings import get_settings
 from rollout_service.trajectory import TrajectoryBuilder
+
+OUTAGE_POLL_S = 1.0  # while every backend of a job's model is down, how often its call asks for one again
 
 
 @functools.lru_cache(maxsize=256)
@@ -70,13 +75,66 @@ class CallGate:
 
 CALL_GATE = CallGate()
 
+# the indexes (from 1) of the job hashes among KEYS whose cancel flag is up
+_CANCELLED = """
+local flagged = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('HGET', key, 'cancel_requested') == '1' then flagged[#flagged + 1] = i end
+end
+return flagged
+"""
+
+
+class CancelWatcher:
+    """Aborts the in-flight LLM calls of cancelled jobs: one loop per process reads, every
+    ``cancel_check_s`` while calls are in flight, the cancel flags of their jobs in one round trip
+    and aborts the calls of those cancelled (their connections closed: the wait ends at once, and
+    the engine stops generating for a client that left). A call costs a dict entry, no round trip."""
+
+    def __init__(self) -> None:
+        self.calls: dict[Abort, str] = {}
+        self._pid = 0
+
+    def watch(self, client: redis.Redis, job_key: str) -> Abort:
+        if self._pid != os.getpid():
+            self._start(client)
+        abort = Abort()
+        self.calls[abort] = job_key
+        return abort
+
+    def unwatch(self, abort: Abort) -> None:
+        self.calls.pop(abort, None)
+
+    def _start(self, client: redis.Redis) -> None:
+        self._pid, self.calls = os.getpid(), {}
+        interval_s = get_settings().cancel_check_s
+        if interval_s > 0:
+            in_background(self._watch_forever, client.register_script(_CANCELLED), interval_s, name="cancel-watcher")
+
+    def _watch_forever(self, cancelled: Callable[..., list[int]], interval_s: float) -> None:
+        while True:
+            time.sleep(interval_s)
+            if not self.calls:
+                continue
+            calls = list(self.calls.items())
+            try:
+                flagged = cancelled(keys=[job_key for _, job_key in calls])
+            except Exception:  # a Redis blip: the next round asks again
+                continue
+            for index in flagged:
+                calls[int(index) - 1][0].abort()
+
+
+CANCELS = CancelWatcher()
+
 
 class PooledLLM:
     """Generates for one job: acquires its sticky backend, waits out pauses, moves off dead backends."""
 
     def __init__(self, pool: BackendPool, job_id: str, sampling: Sampling, call_timeout_s: float,
                  stop_reason: Callable[[], Optional[FinishReason]], deadline_at: float = math.inf,
-                 max_moves: int = 3, job_key: str = "", max_policy_lag: Optional[int] = None) -> None:
+                 job_key: str = "", max_policy_lag: Optional[int] = None,
+                 outage_wait_s: Optional[float] = None) -> None:
         self.pool = pool
         self.job_id = job_id
         self.job_key = job_key
@@ -85,7 +143,8 @@ class PooledLLM:
         self.call_timeout_s = call_timeout_s
         self.deadline_at = deadline_at
         self.stop_reason = stop_reason
-        self.max_moves = max_moves
+        self.outage_wait_s = get_settings().backend_outage_wait_s if outage_wait_s is None else outage_wait_s
+        self.down_since: Optional[float] = None  # when this call first found no backend to run on
         self.last_backend_id: Optional[str] = None
         # BackendPool.first_call_soon's answer, if the run worker sent the first call's round trip early
         self.first_call: Optional[FirstCall] = None
@@ -97,24 +156,22 @@ class PooledLLM:
             ids = self._generate_under_gate(self.sticky, gate_version, prompt_ids, max_new_tokens, record)
             if ids is not None:
                 return ids
-        backend = self._start_call()
-        version = backend.policy_version
-        # the pool may already have moved the job (its backend failed health probes or was removed)
-        moved_from = self.last_backend_id if self.last_backend_id not in (None, backend.id) else None
-        try:
-            if self._stale(record, version):
-                raise EpisodeInterrupted(FinishReason.stale)
-            for _ in range(self.max_moves + 1):
-                try:
-                    gen = self._call(backend, prompt_ids, max_new_tokens)
-                    break
-                except BackendUnreachable as exc:
-                    moved_from = moved_from or backend.id
-                    backend = self._move(backend, exc)
-            else:
-                raise NoBackendAvailable(f"job {self.job_id} lost {self.max_moves + 1} backends in one call")
-        finally:
-            self.pool.end_call(self.job_id)
+        left: Optional[str] = None  # the backend this call failed on first
+        while True:
+            backend = self._start_call()
+            version = backend.policy_version
+            try:
+                if self._stale(record, version):
+                    raise EpisodeInterrupted(FinishReason.stale)
+                gen = self._call(backend, prompt_ids, max_new_tokens)
+                break
+            except BackendUnreachable as exc:
+                self._lost(backend, exc, again=left is not None)
+                left = left or backend.id
+            finally:
+                self.pool.end_call(self.job_id)
+        self.down_since = None
+        moved_from = next((b for b in (left, self.last_backend_id) if b not in (None, backend.id)), None)
         self.last_backend_id, self.sticky = backend.id, backend
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
                               finish_reason=gen.finish_reason, latency_s=gen.latency_s,
@@ -152,15 +209,21 @@ class PooledLLM:
         remaining_s = self.deadline_at - time.time()
         if remaining_s <= 0:
             raise EpisodeInterrupted(FinishReason.deadline)
+        abort = CANCELS.watch(self.pool.redis, self.job_key) if self.job_key else None
         try:
             return client_for(backend.kind, backend.url, backend.model).generate(
-                prompt_ids, self.sampling, max_new_tokens, min(self.call_timeout_s, remaining_s))
+                prompt_ids, self.sampling, max_new_tokens, min(self.call_timeout_s, remaining_s), abort)
+        except Aborted:  # the job was cancelled mid-call
+            raise EpisodeInterrupted(FinishReason.cancelled) from None
         except BackendTimeout:
             if time.time() >= self.deadline_at:  # cut by the job's deadline, not a slow server
                 raise EpisodeInterrupted(FinishReason.deadline) from None
             raise
         except ContextWindowExceeded:  # the server's context is full: a limit, like max_model_len
             raise EpisodeInterrupted(FinishReason.context_length) from None
+        finally:
+            if abort is not None:
+                CANCELS.unwatch(abort)
 
     def release(self) -> None:
         if self.first_call is not None:
@@ -170,16 +233,20 @@ class PooledLLM:
 
     def _start_call(self) -> BackendView:
         """The job's backend for this call, after one round trip that also checks the cancel flag
-        and the weight-sync gate (waited out here)."""
+        and the weight-sync gate (waited out here), as is an outage of every backend of the model."""
         while True:
             if time.time() >= self.deadline_at:
                 raise EpisodeInterrupted(FinishReason.deadline)
             granted: BackendView | str = "later"
-            if self.first_call is not None:
-                answer, self.first_call = self.first_call, None
-                granted, _ = answer()
-            if granted == "later":
-                granted = self.pool.start_call(self.job_id, self.sampling.model, self.job_key)
+            try:
+                if self.first_call is not None:
+                    answer, self.first_call = self.first_call, None
+                    granted, _ = answer()
+                if granted == "later":
+                    granted = self.pool.start_call(self.job_id, self.sampling.model, self.job_key)
+            except AllBackendsDown as down:
+                self._wait_for_a_backend(down)
+                continue
             if granted == "cancelled":
                 raise EpisodeInterrupted(FinishReason.cancelled)
             if granted != "paused":
@@ -195,8 +262,28 @@ class PooledLLM:
         versions = [t.policy_version for t in record.turns if t.policy_version is not None]
         return bool(versions) and version - min(versions) > self.max_policy_lag
 
-    def _move(self, dead: BackendView, exc: BackendError) -> BackendView:
+    def _lost(self, dead: BackendView, exc: BackendError, again: bool) -> None:
+        """``dead`` did not answer: mark it unhealthy (the pool moves the job, or the next start
+        waits for a backend); ``again``: this call lost one before, so pause before the next try."""
+        now = time.monotonic()
+        self.down_since = self.down_since or now
+        if now - self.down_since >= self.outage_wait_s:
+            raise NoBackendAvailable(f"{exc}; no backend of model {dead.model!r} answered for "
+                                     f"{now - self.down_since:.0f} s (ROLLOUT_BACKEND_OUTAGE_WAIT_S)") from exc
         try:
-            return self.pool.move(self.job_id, dead.id)
-        except NoBackendAvailable as none_left:
-            raise NoBackendAvailable(f"{exc}; and no other healthy backend to move to: {none_left}") from exc
+            self.pool.set_health(dead.id, False)
+        except NotFound:
+            pass  # removed meanwhile: the next start moves the job anyway
+        if again:
+            time.sleep(min(OUTAGE_POLL_S, max(self.deadline_at - time.time(), 0.0)))
+
+    def _wait_for_a_backend(self, down: AllBackendsDown) -> None:
+        """Every backend of the model is down (engines restarting): wait for one to come back, for
+        at most ``outage_wait_s`` in a row and never past the job's deadline."""
+        now = time.monotonic()
+        self.down_since = self.down_since or now
+        waited_s = now - self.down_since
+        if waited_s >= self.outage_wait_s:
+            raise NoBackendAvailable(f"{down}; none came back within {self.outage_wait_s:g} s "
+                                     "(ROLLOUT_BACKEND_OUTAGE_WAIT_S)") from down
+        time.sleep(max(min(OUTAGE_POLL_S, self.outage_wait_s - waited_s, self.deadline_at - time.time()), 0.0))

@@ -38,6 +38,8 @@ import os
 import queue
 import random
 import secrets
+import select
+import socket
 import subprocess
 import sys
 import threading
@@ -65,6 +67,37 @@ class RequestError(Exception):
         super().__init__(message)
         self.message = message
         self.status = status
+
+
+class ClientGone(Exception):
+    """The client of a request closed its connection: the generation is stopped."""
+
+
+Wait = Callable[[float], None]
+
+
+def waiting_on(sock: socket.socket | None) -> Wait:
+    """A sleep that raises ClientGone as soon as the client on ``sock`` closes its connection (as
+    vLLM aborts the request of a client that disconnects); a plain sleep without a socket."""
+    if sock is None:
+        return time.sleep
+
+    def wait(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLRDHUP | select.POLLHUP)
+        while (left := deadline - time.monotonic()) > 0:
+            if not poller.poll(left * 1000):
+                return
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    raise ClientGone("the client closed its connection")
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError as exc:
+                raise ClientGone(f"the client's connection failed: {exc}") from exc
+            time.sleep(min(0.05, max(left, 0)))  # bytes of a next request: look again a little later
+    return wait
 
 
 @dataclass
@@ -116,7 +149,7 @@ class ScriptEngine:
     def encode(self, text: str) -> list[int]:
         return self.renderer.encode(text)
 
-    def generate(self, prompt_ids: list[int], params: GenerateParams) -> Completion:
+    def generate(self, prompt_ids: list[int], params: GenerateParams, wait: Wait = time.sleep) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
                                f"However, your prompt has {len(prompt_ids)} tokens; shorten it")
@@ -138,7 +171,7 @@ class ScriptEngine:
             )
         turn = turns[turn_index]
         if turn["delay_s"]:
-            time.sleep(turn["delay_s"])
+            wait(turn["delay_s"])
         ids = self.encode(turn["text"])
         if not ids or ids[-1] != self.renderer.end_of_turn_id:
             ids.append(self.renderer.end_of_turn_id)
@@ -506,16 +539,23 @@ def create_app(
     """The Flask app serving ``engine`` over both protocols."""
     app = Flask("rollout_service.reference_server")
     log = RequestLog()
+    aborted = [0]  # generations stopped because their client left
     model_name = served_model_name or engine.name
     rng = rng or random.Random()
     app.config["request_log"] = log
 
     def run(protocol: str, prompt_ids: list[int], params: GenerateParams) -> Completion:
-        if latency_s:
-            time.sleep(latency_s)
-        if fail_rate and rng.random() < fail_rate:
-            raise RequestError("injected failure (--fail-rate)", status=503)
-        completion = engine.generate(prompt_ids, params)
+        wait = waiting_on(request.environ.get("werkzeug.socket"))
+        try:
+            if latency_s:
+                wait(latency_s)
+            if fail_rate and rng.random() < fail_rate:
+                raise RequestError("injected failure (--fail-rate)", status=503)
+            completion = engine.generate(prompt_ids, params, wait) if isinstance(engine, ScriptEngine) \
+                else engine.generate(prompt_ids, params)
+        except ClientGone:
+            aborted[0] += 1
+            raise
         log.add(
             {
                 "protocol": protocol,
@@ -542,6 +582,10 @@ def create_app(
             response.set_data(json.dumps({"success": False, "message": exc.message, **response.get_json()}))
         return response, status
 
+    @app.errorhandler(ClientGone)
+    def client_gone(exc: ClientGone) -> tuple[Response, int]:
+        return _error(f"the generation was stopped: {exc}", 499)
+
     @app.errorhandler(Exception)
     def internal_error(exc: Exception) -> tuple[Response, int]:
         if isinstance(exc, HTTPException):
@@ -551,7 +595,7 @@ def create_app(
 
     @app.get("/health")
     def health() -> Response:
-        return jsonify({"status": "ok", "model": model_name,
+        return jsonify({"status": "ok", "model": model_name, "aborted_requests": aborted[0],
                         "weights_path": getattr(engine, "weights_path", None),
                         "weights_version": getattr(engine, "weights_version", 0),
                         "batch_sizes": dict(getattr(engine, "batch_sizes", {}))})

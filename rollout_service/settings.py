@@ -55,6 +55,8 @@ class Settings:
     llm_call_timeout_s: float = 300.0
     llm_connect_retries: int = 2
     backend_probe_interval_s: float = 5.0
+    backend_outage_wait_s: float = 180.0  # an LLM call whose model has no healthy backend waits this long for one to come back
+    cancel_check_s: float = 0.25  # a run worker looks for cancelled jobs among its in-flight LLM calls this often, and aborts them
     call_gate_lease_s: float = 1.5  # a green run worker starts later calls without a round trip each while its gate lease holds; 0: never
     pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
     max_request_mb: int = 16  # a request body beyond this is a 413

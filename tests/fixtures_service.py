@@ -20,6 +20,7 @@ SERVICE_SETTINGS = {
     "ROLLOUT_INIT_CONCURRENCY": "2",
     "ROLLOUT_LEASE_TTL_S": "10",
     "ROLLOUT_LLM_CONNECT_RETRIES": "1",
+    "ROLLOUT_BACKEND_OUTAGE_WAIT_S": "10",  # jobs of a dead backend wait this long for it: tests' dead urls fail soon
 }
 
 

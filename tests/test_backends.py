@@ -544,3 +544,38 @@ def test_a_call_counts_under_an_open_gate_only_and_reports_cancel_and_assignment
     assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("late", "")
     pool.end_call("job-1")
     assert pool.inflight_calls() == 0
+
+
+# registration through the API
+
+
+def test_registering_a_backend_whose_tokenizer_cannot_be_loaded_offline_is_a_400_naming_it(service, scripted_server):
+    import httpx
+
+    url = scripted_server({"episodes": []})
+    started = time.monotonic()
+    named = httpx.post(f"{service.url}/v1/backends", json={"url": url, "kind": "vllm", "model": "m", "tokenizer": "tiny"})
+    defaulted = httpx.post(f"{service.url}/v1/backends", json={"url": url, "kind": "vllm", "model": "no-such-model"})
+    assert time.monotonic() - started < 5
+    for answer, name in ((named, "'tiny'"), (defaulted, "'no-such-model'")):
+        assert answer.status_code == 400, answer.text
+        message = answer.json()["error"]["message"]
+        assert "`tokenizer`" in message and name in message and "Hugging Face cache" in message
+    assert "defaults to `model`" in defaulted.json()["error"]["message"]
+    listed = httpx.get(f"{service.url}/v1/backends").json()["backends"]
+    assert all(b["url"] != url for b in listed)
+
+
+def test_a_new_backend_is_healthy_only_if_it_answers_its_health_probe_at_registration(
+        client, scripted_server, tiny_tokenizer_dir):
+    from rollout_service.redis_server import free_port
+
+    answering = client.add_backend(scripted_server({"episodes": []}), "vllm", "probed", tokenizer=str(tiny_tokenizer_dir))
+    silent = client.add_backend(f"http://127.0.0.1:{free_port()}", "vllm", "probed", tokenizer=str(tiny_tokenizer_dir))
+    try:
+        assert answering.healthy and not silent.healthy
+        assert {b.id: b.healthy for b in client.backends() if b.model == "probed"} == {
+            answering.id: True, silent.id: False}
+    finally:
+        client.remove_backend(answering.id)
+        client.remove_backend(silent.id)

@@ -13,7 +13,7 @@ import httpx
 
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
-from tests.test_pipeline import math_task, server_log, tool_call
+from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call
 
 
 def slow_script(problem: str, turns: int, delay_s: float) -> dict:
@@ -211,3 +211,83 @@ def test_a_server_refusing_a_prompt_longer_than_its_context_ends_the_episode_wit
     trajectory = client.trajectory(job_id)
     assert [t.kind for t in trajectory.turns] == ["generation", "observation"] and trajectory.truncated
     assert len(trajectory.prompt_ids) < 1000 <= len(trajectory.prompt_ids) + len(trajectory.response_ids)
+
+
+def test_a_backend_restarted_mid_run_on_the_same_port_completes_its_jobs_token_exactly(
+        client, tmp_path, tiny_tokenizer_dir):
+    """An engine restart (weight reload, crash, node reboot): its jobs wait for it to come back."""
+    problem = f"Restarted ({uuid.uuid4().hex[:6]})"
+    server = start_server(tmp_path, tiny_tokenizer_dir, slow_script(problem, turns=6, delay_s=0.3))
+    backend = client.add_backend(server.url, "vllm", "restarted", tokenizer=str(tiny_tokenizer_dir))
+    try:
+        job_ids = client.submit(math_task(problem), n=4, sampling={"model": "restarted"}).job_ids
+        wait_for(lambda: len(server_log(server.url)) >= 6, what="the episodes to be under way")
+        before = server_log(server.url)
+        server.stop()
+        time.sleep(3)
+        server.start()
+        views = client.wait(job_ids, timeout_s=120)
+        assert [v.status.value for v in views] == ["completed"] * 4, [v.error for v in views]
+        assert all(v.reward == 1.0 and v.backend_id == backend.id for v in views)
+        served = before + server_log(server.url)
+        for view in views:
+            trajectory = client.trajectory(view.job_id)
+            generations = [t for t in trajectory.turns if t.kind == "generation"]
+            assert len(generations) == 6 and not any(t.moved_from for t in generations)
+            for turn in generations:  # each turn is what one of the two server processes returned
+                context = trajectory.prompt_ids + trajectory.response_ids[:turn.start]
+                assert any(call["prompt_ids"] == context and call["output_ids"] == trajectory.response_ids[
+                    turn.start:turn.end] and call["logprobs"] == trajectory.logprobs[turn.start:turn.end]
+                    for call in served)
+    finally:
+        server.stop()
+        client.remove_backend(backend.id)
+
+
+def ended_within(client, job_ids: list[str], timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    views = {}
+    while len(views) < len(job_ids) and time.monotonic() < deadline:
+        for job_id in set(job_ids) - set(views):
+            view = client.get(job_id)
+            if view.status.value in ("completed", "failed", "cancelled", "timed_out"):
+                views[job_id] = view
+        time.sleep(0.05)
+    return views
+
+
+def test_a_job_cancelled_mid_generation_ends_cancelled_at_once_and_its_trajectory_agrees(client, scripted_backend):
+    problem = f"Cancel mid-call ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
+        tool_call("ipython", code="print(1)"), {"text": tool_call("finish", answer="4"), "delay_s": 60}]}]},
+        model="cancel-one")
+    job_id, = client.submit(math_task(problem), sampling={"model": "cancel-one"}).job_ids
+    wait_for(lambda: len(server_log(backend.url)) == 1, what="the first turn")
+    time.sleep(0.5)  # the second call is in flight
+    cancelled_at = time.monotonic()
+    client.cancel(job_id)
+    views = ended_within(client, [job_id], timeout_s=10)
+    assert time.monotonic() - cancelled_at < 2.5 and views[job_id].status.value == "cancelled"
+    trajectory = client.trajectory(job_id)
+    assert trajectory.finish_reason.value == "cancelled" and trajectory.truncated
+    assert [t.kind for t in trajectory.turns] == ["generation", "observation"]  # the turns before it are kept
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url)[:1])
+    wait_for(lambda: httpx.get(f"{backend.url}/health").json()["aborted_requests"] == 1, timeout_s=5,
+             what="the server to stop the generation its client left")
+
+
+def test_many_jobs_cancelled_together_mid_generation_all_end_cancelled(client, scripted_backend):
+    problem = f"Cancel many ({uuid.uuid4().hex[:6]})"
+    scripted_backend({"episodes": [{"match": problem, "turns": [{"text": tool_call("finish", answer="4"),
+                                                                  "delay_s": 60}]}]}, model="cancel-many")
+    job_ids = client.submit(math_task(problem), n=12, sampling={"model": "cancel-many"}).job_ids
+    wait_for(lambda: sum(client.get(j).status.value == "running" for j in job_ids) >= 4, what="jobs running")
+    time.sleep(0.5)
+    cancelled_at = time.monotonic()
+    for job_id in job_ids:
+        client.cancel(job_id)
+    views = ended_within(client, job_ids, timeout_s=10)
+    assert time.monotonic() - cancelled_at < 4
+    assert sorted(v.status.value for v in views.values()) == ["cancelled"] * 12
+    for trajectory in client.trajectories(job_ids).values():
+        assert trajectory.finish_reason.value == "cancelled" and trajectory.truncated

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from rollout_service.agent import Agent, Episode, Limits
-from rollout_service.backends import BackendPool, FirstCall
+from rollout_service.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.green import after_live_work, green_process, in_background
 from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.llm import CALL_GATE, PooledLLM
@@ -65,7 +65,10 @@ def prepare_skipped(ctx: StageContext, request: JobRequest, first_call: list[Fir
     """What init prepares, for a job that skipped it. The model and its tokenizer come from the
     grant of the job's first call (sent with the stage's begin, answered in the same round trip);
     without one (a harness job, a weight sync, a cancel), from the registered backends."""
-    granted = first_call[0]()[0] if first_call else "later"
+    try:
+        granted = first_call[0]()[0] if first_call else "later"
+    except AllBackendsDown:  # the episode's first call waits for one to come back
+        granted = "later"
     backends = [granted] if isinstance(granted, BackendView) else BackendPool(ctx.store.redis).list()
     return prepare_job(ctx, request, backends)
 
@@ -92,7 +95,7 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
 
     llm = PooledLLM(pool, job_id, sampling, request.timeouts.llm_call_s or settings.llm_call_timeout_s,
                     stop_while_paused, deadline_at=ctx.deadline_at, job_key=store.key(job_id),
-                    max_policy_lag=request.max_policy_lag)
+                    max_policy_lag=request.max_policy_lag, outage_wait_s=settings.backend_outage_wait_s)
     sandbox = None
     agent = Agent(
         llm=llm, renderer=renderer_for(prepared.tokenizer),

@@ -141,6 +141,8 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
         raise SkipStage(f"job {job_id} is {values[0]}; {name} has nothing to do")
     if verdict == "cancelled":
         store.finish(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value)
+        if blobs.get("trajectory") is not None:  # its episode ended before the cancel took effect
+            mark_trajectory_cancelled(store, job_id, unpack(blobs["trajectory"]))
         raise SkipStage(f"job {job_id} was cancelled before {name}")
     if verdict == "leased":  # a live duplicate; should its holder die, housekeeping re-sends the stage
         raise SkipStage(f"job {job_id} is in {name} under another worker's lease")
@@ -171,9 +173,18 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
         ended.append(end)
 
 
+def mark_trajectory_cancelled(store: JobStore, job_id: str, trajectory: Optional[dict[str, Any]]) -> None:
+    """A job that ends cancelled has a trajectory that says so (its turns kept), whatever ended
+    the episode first: the job's view and its trajectory agree."""
+    if trajectory is not None and trajectory.get("finish_reason") != FinishReason.cancelled.value:
+        trajectory.update(finish_reason=FinishReason.cancelled.value, truncated=True)
+        store.put_blob(job_id, "trajectory", trajectory)
+
+
 def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None:
     if store.cancel_requested(job_id):
         store.finish(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value)
+        mark_trajectory_cancelled(store, job_id, store.get_blob(job_id, "trajectory", None))
     else:
         store.set_fields(job_id, **{f"{name}_end": time.time()})
         store.finish(job_id, JobStatus.failed, exc)

@@ -6,7 +6,7 @@ import time
 from flask import Blueprint, Response
 
 from rollout_service.api.common import Query, body, reply, route, seconds_arg, store
-from rollout_service.backends import BackendPool
+from rollout_service.backends import BackendPool, admitted
 from rollout_service.errors import ValidationError
 from rollout_service.schemas import BackendList, BackendSpec, BackendView, Deleted, PauseState, ResumeRequest
 from rollout_service.settings import get_settings
@@ -22,7 +22,7 @@ def pool() -> BackendPool:
        request=BackendSpec, response=BackendView, status=201)
 def add_backend() -> Response:
     spec = BackendSpec.model_validate(body())
-    return reply(pool().register(spec).model_dump(), 201)
+    return reply(pool().register(spec, healthy=admitted(spec)).model_dump(), 201)
 
 
 @route(blueprint, "get", "/v1/backends", "Backends with health and live assignment counts",
