@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from rollout_service.errors import (BackendError, BackendRejected, BackendTimeout, BackendUnreachable,
                                     ContextWindowExceeded, UnknownName)
+from rollout_service.http_pool import Abort, Aborted
 from rollout_service.inference import SGLangClient, VLLMClient, make_client
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess, scripted_logprob
@@ -117,6 +119,31 @@ def test_a_slow_server_raises_backend_timeout(scripted_server, renderer):
     url = scripted_server({"episodes": [{"match": "slow", "turns": [{"text": "zzz", "delay_s": 3}]}]})
     with pytest.raises(BackendTimeout, match="did not answer within 0.5 s"):
         generate("vllm", url, prompt_for(renderer, "slow"), timeout_s=0.5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_aborted_call_ends_at_once_and_the_server_stops_generating_for_it(kind, scripted_server, renderer):
+    url = scripted_server({"episodes": [{"match": "endless", "turns": [{"text": "late", "delay_s": 60}]}]})
+    abort = Abort()
+    threading.Timer(0.5, abort.abort).start()
+    started = time.monotonic()
+    with pytest.raises(Aborted):
+        make_client(kind, url, "tiny").generate(prompt_for(renderer, "endless"), Sampling(), 16, 90, abort)
+    assert time.monotonic() - started < 1.5
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/health").json()["aborted_requests"] != 1:
+        assert time.monotonic() < deadline, "the server went on generating for a client that left"
+        time.sleep(0.05)
+    assert logged_requests(url) == []
+
+
+def test_an_abort_before_the_request_is_sent_sends_nothing(scripted_server, renderer):
+    url = scripted_server(SCRIPT)
+    abort = Abort()
+    abort.abort()
+    with pytest.raises(Aborted):
+        make_client("vllm", url, "tiny").generate(prompt_for(renderer, "What is 2 + 2?"), Sampling(), 16, 10, abort)
+    assert logged_requests(url) == []
 
 
 def test_the_vllm_response_has_token_id_strings_and_a_text_without_special_tokens(scripted_server, renderer):

@@ -39,3 +39,32 @@ def test_a_stage_that_ends_its_jobs_together_keeps_each_in_the_stage_until_the_l
         redis_client, redis_url):
     result = run_with_broker(redis_url, THREE_GRADED_JOBS.format(run='run_stage_jobs(job_ids, "eval", grade)'))
     assert result["seen"][2] == ["evaluating"] * 3 and result["final"] == ["completed"] * 3 and result["counted"] == 3
+
+
+CANCELLED_AFTER_ITS_EPISODE = """
+    import json
+    from rollout_service.schemas import FinishReason, JobRequest, JobStatus
+    from rollout_service.trajectory import TrajectoryBuilder
+    from workers.stage import job_store, run_stage_jobs
+
+    store = job_store()
+    (job_ids, _), = store.create_many([JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"})])
+    job_id, = job_ids
+    assert store.transition(job_id, JobStatus.running)
+    episode = TrajectoryBuilder([1, 2, 3], [{"role": "user", "content": "1+1"}])
+    episode.add_generation([7, 8], [-0.5, -0.25], backend_id="be-x", policy_version=0, finish_reason="stop",
+                           latency_s=0.1)
+    store.put_trajectory(job_id, episode.build(FinishReason.no_tool_call))
+    store.cancel(job_id)  # after its episode ended, before it was graded
+    run_stage_jobs([job_id], "eval", lambda ctx: None)
+    trajectory = store.trajectory(job_id)
+    print(json.dumps({"status": store.status(job_id).value, "finish_reason": trajectory.finish_reason.value,
+                      "truncated": trajectory.truncated, "response_ids": trajectory.response_ids,
+                      "logprobs": trajectory.logprobs}))
+"""
+
+
+def test_a_job_cancelled_after_its_episode_ended_has_a_trajectory_that_says_cancelled(redis_client, redis_url):
+    result = run_with_broker(redis_url, CANCELLED_AFTER_ITS_EPISODE)
+    assert result == {"status": "cancelled", "finish_reason": "cancelled", "truncated": True,
+                      "response_ids": [7, 8], "logprobs": [-0.5, -0.25]}
