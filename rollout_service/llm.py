@@ -164,12 +164,14 @@ class PooledLLM:
                 if self._stale(record, version):
                     raise EpisodeInterrupted(FinishReason.stale)
                 gen = self._call(backend, prompt_ids, max_new_tokens)
-                break
             except BackendUnreachable as exc:
-                self._lost(backend, exc, again=left is not None)
-                left = left or backend.id
+                unreachable = exc
+            else:
+                break
             finally:
                 self.pool.end_call(self.job_id)
+            self._lost(backend, unreachable, again=left is not None)  # not counted in flight while it waits
+            left = left or backend.id
         self.down_since = None
         moved_from = next((b for b in (left, self.last_backend_id) if b not in (None, backend.id)), None)
         self.last_backend_id, self.sticky = backend.id, backend

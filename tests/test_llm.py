@@ -291,3 +291,25 @@ def test_many_jobs_cancelled_together_mid_generation_all_end_cancelled(client, s
     assert sorted(v.status.value for v in views.values()) == ["cancelled"] * 12
     for trajectory in client.trajectories(job_ids).values():
         assert trajectory.finish_reason.value == "cancelled" and trajectory.truncated
+
+
+def test_jobs_wait_a_bounded_time_for_a_backend_that_never_comes_back_and_a_cancel_ends_the_wait(
+        client, tiny_tokenizer_dir):
+    """The test service waits ROLLOUT_BACKEND_OUTAGE_WAIT_S=10 (180 by default)."""
+    dead = client.add_backend(f"http://127.0.0.1:{free_port()}", "vllm", "gone", tokenizer=str(tiny_tokenizer_dir))
+    try:
+        started = time.monotonic()
+        waiting, cancelled = client.submit(math_task("2+2?"), n=2, sampling={"model": "gone"},
+                                           agent={"tools": ["finish"]}).job_ids
+        time.sleep(3)
+        assert {client.get(j).status.value for j in (waiting, cancelled)} == {"running"}
+        cancel_at = time.monotonic()
+        client.cancel(cancelled)
+        assert ended_within(client, [cancelled], timeout_s=5)[cancelled].status.value == "cancelled"
+        assert time.monotonic() - cancel_at < 2
+        view, = client.wait([waiting], timeout_s=60)
+        assert time.monotonic() - started >= 10
+        assert view.status.value == "failed" and view.error.code == "no_backend"
+        assert "ROLLOUT_BACKEND_OUTAGE_WAIT_S" in view.error.message and dead.url in view.error.message
+    finally:
+        client.remove_backend(dead.id)
