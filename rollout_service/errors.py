@@ -135,3 +135,13 @@ class HarnessFailed(RolloutError):
     """The job's external agent harness (``agent.harness``) exited with an error."""
 
     code = "harness_failed"
+
+
+class RequestTooLarge(RolloutError):
+    http_status = 413
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(RolloutError):
+    http_status = 415
+    code = "unsupported_media_type"

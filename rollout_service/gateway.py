@@ -13,11 +13,11 @@ import logging
 import pydantic
 import redis
 from flask import Flask, Response, request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
 from rollout_service.api import backends, batches, jobs, ops
-from rollout_service.api.common import reply, route_for_endpoint, validation_message
-from rollout_service.errors import RolloutError, StoreUnavailable, Unauthorized
+from rollout_service.api.common import id_converter, public_paths, reply, route_for_endpoint, validation_message
+from rollout_service.errors import RequestTooLarge, RolloutError, StoreUnavailable, Unauthorized
 from rollout_service.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -28,14 +28,19 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or get_settings()
     app = Flask(__name__, static_folder=None)
     app.config["SETTINGS"] = settings
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_mb * 2 ** 20
+    app.url_map.converters["id"] = id_converter()
     for blueprint in BLUEPRINTS:
         app.register_blueprint(blueprint)
+    public = public_paths()
 
     @app.before_request
     def _authenticate() -> None:
         spec = route_for_endpoint(request.endpoint)
         if not settings.api_token or (spec is not None and spec.public):
             return
+        if request.routing_exception is not None and request.path in public:
+            return  # a wrong method on a public route: its 405, not a 401
         header = request.headers.get("Authorization", "")
         if not hmac.compare_digest(header, f"Bearer {settings.api_token}"):
             raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <ROLLOUT_API_TOKEN>'")
@@ -47,6 +52,21 @@ def create_app(settings: Settings | None = None) -> Flask:
     @app.errorhandler(pydantic.ValidationError)
     def _invalid(exc: pydantic.ValidationError) -> Response:
         return reply({"error": {"code": "invalid_request", "message": validation_message(exc)}}, 400)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def _too_large(exc: RequestEntityTooLarge) -> Response:
+        return _rollout_error(RequestTooLarge(
+            f"the request body is over {settings.max_request_mb} MB (ROLLOUT_MAX_REQUEST_MB): send fewer jobs "
+            "per request, or raise ROLLOUT_MAX_REQUEST_MB on the gateway"))
+
+    @app.errorhandler(MethodNotAllowed)
+    def _wrong_method(exc: MethodNotAllowed) -> Response:
+        allowed = ", ".join(sorted(exc.valid_methods or ()))
+        response = reply({"error": {"code": "method_not_allowed",
+                                    "message": f"{request.method} is not served on {request.path}; allowed: {allowed}"}},
+                         405)
+        response.headers["Allow"] = allowed
+        return response
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException) -> Response:

@@ -7,13 +7,15 @@ from typing import Any
 from pydantic import BaseModel
 
 from rollout_service import schemas
-from rollout_service.api.common import MSGPACK, ROUTES, Route
+from rollout_service.api.common import ID_PATTERN, MSGPACK, ROUTES, Route
 
 ERROR_STATUSES = {
     400: "invalid input: the message names the field and the problem",
     401: "missing or wrong bearer token",
     404: "no such job, batch or backend (or its TTL expired)",
     409: "a request with this Idempotency-Key is still being processed",
+    413: "the body is over ROLLOUT_MAX_REQUEST_MB",
+    415: "the body is neither application/json nor application/msgpack",
     500: "internal error (a bug: please report it with the message)",
     503: "store_unavailable: Redis is unreachable or not answering; retry",
     504: "the operation did not finish in time",
@@ -46,12 +48,16 @@ def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": route.summary, "operationId": route.endpoint.replace(".", "_")}
     if route.public:
         op["security"] = []
-    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "pattern": ID_PATTERN}}
                   for name in re.findall(r"{(\w+)}", route.path)]
     for query in route.query:
         schema: dict[str, Any] = {"type": query.kind}
         if query.enum:
             schema["enum"] = list(query.enum)
+        for keyword, bound in (("minimum", query.minimum), ("exclusiveMinimum", query.exclusive_minimum),
+                               ("maximum", query.maximum), ("pattern", query.pattern)):
+            if bound is not None:
+                schema[keyword] = bound
         parameters.append({"name": query.name, "in": "query", "required": False,
                            "description": query.description, "schema": schema})
     if route.idempotent:
@@ -72,9 +78,12 @@ def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
     else:
         ok["content"] = _content({"type": "object"}, msgpack=True)
     responses: dict[str, Any] = {str(route.status): ok}
-    for status in sorted({*route.errors, *ALWAYS, *((401,) if not route.public else ())}):
-        responses[str(status)] = {"description": ERROR_STATUSES[status],
-                                  "content": _content({"$ref": "#/components/schemas/Error"}, msgpack=True)}
+    error_models = dict(route.error_models)
+    with_body = (400, 413, 415) if route.request is not None else ()
+    for status in sorted({*route.errors, *ALWAYS, *with_body, *((401,) if not route.public else ())}):
+        error = {"$ref": "#/components/schemas/Error"}
+        schema = {"anyOf": [_ref(error_models[status], components), error]} if status in error_models else error
+        responses[str(status)] = {"description": ERROR_STATUSES[status], "content": _content(schema, msgpack=True)}
     op["responses"] = responses
     return op
 

@@ -52,8 +52,14 @@ def _require_domain(task: dict[str, Any]) -> dict[str, Any]:
     return task
 
 
+TASK_SCHEMA = {"required": ["domain"], "properties": {"domain": {
+    "type": "string", "minLength": 1, "description": "math | stem | code | swe"}}}
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request: unknown fields refused, and JSON types as they are (no "10" for 10, no false for 0)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Sampling(_Strict):
@@ -90,14 +96,17 @@ class AgentConfig(_Strict):
     harness: Optional[HarnessConfig] = Field(None, description="run this program instead of the built-in agent loop")
 
 
+MIN_TIMEOUT_S = 0.001
+
+
 class Timeouts(_Strict):
-    job_s: Optional[float] = Field(None, gt=0)
-    llm_call_s: Optional[float] = Field(None, gt=0)
-    tool_s: Optional[float] = Field(None, gt=0)
+    job_s: Optional[float] = Field(None, ge=MIN_TIMEOUT_S)
+    llm_call_s: Optional[float] = Field(None, ge=MIN_TIMEOUT_S)
+    tool_s: Optional[float] = Field(None, ge=MIN_TIMEOUT_S)
 
 
 class JobRequest(_Strict):
-    task: dict[str, Any]
+    task: dict[str, Any] = Field(json_schema_extra=TASK_SCHEMA)
     sampling: Sampling = Field(default_factory=Sampling)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
@@ -116,6 +125,7 @@ class SubmitResponse(BaseModel):
 MAX_BULK_JOBS = 4096
 MAX_WAIT_JOBS = 10000
 MAX_WAIT_S = 60.0
+MAX_PAUSE_TTL_S = 86400.0
 MAX_LIST_JOBS = 1000
 
 
@@ -326,7 +336,7 @@ class ResumeRequest(_Strict):
 
 
 class ScoreRequest(_Strict):
-    task: dict[str, Any]
+    task: dict[str, Any] = Field(json_schema_extra=TASK_SCHEMA)
     submission: dict[str, Any]
 
     _task_has_domain = field_validator("task")(_require_domain)
@@ -360,12 +370,13 @@ class BatchStatus(str, Enum):
 class BatchRequest(_Strict):
     """``POST /v1/batches``: K accepted GRPO groups of ``group_size`` rollouts, DAPO-filtered."""
 
-    tasks: list[dict[str, Any]] = Field(min_length=1)
+    tasks: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": {
+        "type": "object", "additionalProperties": True, **TASK_SCHEMA}})
     group_size: int = Field(ge=1, le=1024)
     target_groups: int = Field(ge=1)
     max_inflight_groups: Optional[int] = Field(None, ge=1, description="default: target_groups")
-    filter: BatchFilter = BatchFilter.none
-    on_failure: OnFailure = OnFailure.drop_group
+    filter: BatchFilter = Field(BatchFilter.none, strict=False)  # strict would take only Enum members
+    on_failure: OnFailure = Field(OnFailure.drop_group, strict=False)
     max_rollout_retries: int = Field(2, ge=0, le=10, description="per rollout, with retry_rollout")
     sampling: Sampling = Field(default_factory=Sampling)
     agent: AgentConfig = Field(default_factory=AgentConfig)

@@ -5,11 +5,11 @@ import time
 
 from flask import Blueprint, Response
 
-from rollout_service.api.common import Query, body, reply, route, seconds_arg, store
+from rollout_service.api.common import Query, body, reply, route, seconds_arg, settings, store
 from rollout_service.backends import BackendPool, admitted
-from rollout_service.errors import ValidationError
-from rollout_service.schemas import BackendList, BackendSpec, BackendView, Deleted, PauseState, ResumeRequest
-from rollout_service.settings import get_settings
+from rollout_service.schemas import (
+    MAX_PAUSE_TTL_S, MAX_WAIT_S, BackendList, BackendSpec, BackendView, Deleted, PauseState, ResumeRequest,
+)
 
 blueprint = Blueprint("backends", __name__)
 
@@ -42,25 +42,27 @@ def delete_backend(backend_id: str) -> Response:
 
 @route(blueprint, "post", "/v1/backends/pause", "Stop new LLM calls for a weight sync",
        response=PauseState, query=(
-           Query("wait", "number", "seconds to wait for running calls to end"),
+           Query("wait", "number", f"seconds to wait for running calls to end, at most {MAX_WAIT_S:.0f}",
+                 minimum=0, maximum=MAX_WAIT_S),
            Query("ttl", "number", "seconds until the pause lifts by itself unless renewed or resumed "
-                                  "(default ROLLOUT_PAUSE_TTL_S, 600)"),
+                                  f"(default ROLLOUT_PAUSE_TTL_S, 600; at most {MAX_PAUSE_TTL_S:.0f})",
+                 exclusive_minimum=0, maximum=MAX_PAUSE_TTL_S),
        ))
 def pause() -> Response:
-    wait_s = seconds_arg("wait", 0.0)
-    ttl_s = seconds_arg("ttl", get_settings().pause_ttl_s)
-    if ttl_s <= 0:
-        raise ValidationError("ttl must be > 0 seconds: how long the pause may last if the trainer never resumes")
+    wait_s = seconds_arg("wait", 0.0, maximum=MAX_WAIT_S)
+    ttl_s = seconds_arg("ttl", min(settings().pause_ttl_s, MAX_PAUSE_TTL_S), maximum=MAX_PAUSE_TTL_S,
+                        positive=True)
     p = pool()
     p.pause(ttl_s)
     deadline = time.monotonic() + wait_s
 
     def inflight() -> int:  # a run worker whose call gate is still open may yet start a call: one more
         return p.inflight_calls() + p.open_gates()
-    while inflight() and time.monotonic() < deadline:
+    while inflight() and time.monotonic() < deadline and p.paused():
         time.sleep(0.02)
-    return reply({"paused": True, "inflight_calls": inflight(), "policy_version": p.policy_version(),
-                  "expires_in_s": p.pause_expires_in_s()})
+    expires_in_s = p.pause_expires_in_s()
+    return reply({"paused": expires_in_s is not None, "inflight_calls": inflight(),
+                  "policy_version": p.policy_version(), "expires_in_s": expires_in_s})
 
 
 @route(blueprint, "post", "/v1/backends/resume", "Resume LLM calls under a (new) policy version",

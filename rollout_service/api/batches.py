@@ -5,9 +5,10 @@ import time
 
 from flask import Blueprint, Response, g
 
-from rollout_service.api.common import Query, body, int_arg, reply, route, seconds_arg, store
+from rollout_service.api.common import Query, body, int_arg, reply, route, seconds_arg, settings, store
 from rollout_service.api.jobs import check_job, idempotent, served_models
 from rollout_service.batches import MAX_WAIT_S, POLL_S, WIRE_EXCLUDES, BatchControl, validate
+from rollout_service.errors import ValidationError
 from rollout_service.schemas import BatchCreated, BatchGroupsPage, BatchRequest, BatchStatus, BatchView
 
 blueprint = Blueprint("batches", __name__)
@@ -24,6 +25,13 @@ def control() -> BatchControl:
 def submit_batch() -> Response:
     batch = BatchRequest.model_validate(body())
     validate(batch)
+    groups = max(batch.target_groups, batch.max_inflight_groups or 0)
+    cap = settings().max_rollouts_per_request
+    if groups * batch.group_size > cap:
+        field = "target_groups" if groups == batch.target_groups else "max_inflight_groups"
+        raise ValidationError(f"{field} x group_size = {groups} x {batch.group_size} = {groups * batch.group_size} "
+                              f"rollouts, over ROLLOUT_MAX_ROLLOUTS_PER_REQUEST ({cap}): ask for fewer groups "
+                              "per batch (submit several batches)")
     models = served_models(store())
     for i, task in enumerate(batch.tasks):
         check_job(task, batch.sampling, batch.agent, models, task_at=f"tasks[{i}]")
@@ -38,12 +46,13 @@ def get_batch(batch_id: str) -> Response:
 
 @route(blueprint, "get", "/v1/batches/{batch_id}/groups", "Long-poll accepted groups as they complete",
        response=BatchGroupsPage, errors=(400, 404), query=(
-           Query("after", "integer", "the cursor of the previous page (default 0)"),
-           Query("wait", "number", f"seconds to wait for a new group, at most {MAX_WAIT_S:.0f}"),
+           Query("after", "integer", "the cursor of the previous page (default 0)", minimum=0),
+           Query("wait", "number", f"seconds to wait for a new group, at most {MAX_WAIT_S:.0f}",
+                 minimum=0, maximum=MAX_WAIT_S),
        ))
 def batch_groups(batch_id: str) -> Response:
     cursor = int_arg("after", 0)
-    wait_s = min(seconds_arg("wait", 0.0), MAX_WAIT_S)
+    wait_s = seconds_arg("wait", 0.0, maximum=MAX_WAIT_S)
     batches = control().batches
     batches.status(batch_id)
     control().heal(batch_id)

@@ -11,7 +11,8 @@ import msgpack
 from flask import Blueprint, Response, request
 
 from rollout_service.api.common import (
-    MSGPACK, Query, body, int_arg, reply, route, settings, store, wants_msgpack,
+    ID_PATTERN, MSGPACK, Query, body, check_id, cursor_arg, id_arg, int_arg, reply, route, settings, store,
+    wants_msgpack,
 )
 from rollout_service.backends import BackendPool
 from rollout_service.batches import enqueue_jobs as enqueue  # a module attribute: tests replace it
@@ -68,6 +69,18 @@ def check_job(task: dict[str, Any], sampling: Sampling, agent: AgentConfig, mode
                               f"valid: {', '.join(sorted(PARSERS))}")
 
 
+def check_rollouts(field: str, rollouts: int) -> None:
+    cap = settings().max_rollouts_per_request
+    if rollouts > cap:
+        raise ValidationError(f"{field}: {rollouts} rollouts asked for, over ROLLOUT_MAX_ROLLOUTS_PER_REQUEST "
+                              f"({cap}); split them into several requests")
+
+
+def check_job_ids(job_ids: list[str]) -> None:
+    for i, job_id in enumerate(job_ids):
+        check_id(f"job_ids[{i}]", job_id)
+
+
 def served_models(jobs: JobStore) -> list[str]:
     return BackendPool(jobs.redis).models()
 
@@ -115,6 +128,7 @@ def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: i
        request=JobRequest, response=SubmitResponse, status=202, idempotent=True, errors=(400, 409))
 def submit() -> Response:
     job = JobRequest.model_validate(body())
+    check_rollouts("n", job.n)
     check_job(job.task, job.sampling, job.agent, served_models(store()))
 
     def make() -> dict[str, Any]:
@@ -129,6 +143,7 @@ def submit() -> Response:
        request=BulkJobRequest, response=BulkSubmitResponse, status=202, idempotent=True, errors=(400, 409))
 def submit_bulk() -> Response:
     bulk = BulkJobRequest.model_validate(body())
+    check_rollouts("jobs (the sum of their n)", sum(job.n for job in bulk.jobs))
     models = served_models(store())
     for i, job in enumerate(bulk.jobs):
         check_job(job.task, job.sampling, job.agent, models, where=f"jobs[{i}]")
@@ -145,6 +160,7 @@ def submit_bulk() -> Response:
        request=WaitRequest, response=WaitResponse, errors=(400, 404))
 def wait_jobs() -> Response:
     req = WaitRequest.model_validate(body())
+    check_job_ids(req.job_ids)
     job_ids = list(dict.fromkeys(req.job_ids))
     need = min(req.min_finished, len(job_ids))
     jobs = store()
@@ -190,22 +206,18 @@ def wait_jobs() -> Response:
 @route(blueprint, "get", "/v1/jobs", "List jobs, newest first, with filters and a cursor",
        response=JobList, query=(
            Query("status", "string", "only jobs in this status", tuple(s.value for s in JobStatus)),
-           Query("group_id", "string", "only this group's jobs"),
-           Query("batch_id", "string", "only this batch's jobs"),
-           Query("limit", "integer", f"page size, 1..{MAX_LIST_JOBS} (default 100)"),
-           Query("cursor", "string", "the cursor of the previous page"),
+           Query("group_id", "string", "only this group's jobs", pattern=ID_PATTERN),
+           Query("batch_id", "string", "only this batch's jobs", pattern=ID_PATTERN),
+           Query("limit", "integer", f"page size, 1..{MAX_LIST_JOBS} (default 100)", minimum=1, maximum=MAX_LIST_JOBS),
+           Query("cursor", "string", "the cursor of the previous page", pattern="^[0-9]{1,20}$"),
        ))
 def list_jobs() -> Response:
-    raw_status = request.args.get("status") or None
+    raw_status = request.args.get("status")
     if raw_status is not None and raw_status not in JobStatus.__members__:
         raise UnknownName("status", raw_status, JobStatus.__members__)
-    raw_cursor = request.args.get("cursor") or None
-    if raw_cursor is not None and not raw_cursor.isdigit():
-        raise ValidationError(f"cursor={raw_cursor!r} is not a cursor: pass the 'cursor' of the previous page")
     views, cursor = store().list_jobs(
-        status=JobStatus(raw_status) if raw_status else None, group_id=request.args.get("group_id") or None,
-        batch_id=request.args.get("batch_id") or None, limit=int_arg("limit", 100, 1, MAX_LIST_JOBS),
-        cursor=int(raw_cursor) if raw_cursor else None)
+        status=JobStatus(raw_status) if raw_status else None, group_id=id_arg("group_id"),
+        batch_id=id_arg("batch_id"), limit=int_arg("limit", 100, 1, MAX_LIST_JOBS), cursor=cursor_arg("cursor"))
     return reply({"jobs": [v.model_dump(mode="json") for v in views],
                   "cursor": None if cursor is None else str(cursor)})
 
@@ -214,6 +226,7 @@ def list_jobs() -> Response:
        request=JobIdsRequest, response=TrajectoriesResponse, errors=(400, 404))
 def trajectories() -> Response:
     req = JobIdsRequest.model_validate(body())
+    check_job_ids(req.job_ids)
     job_ids = list(dict.fromkeys(req.job_ids))
     blobs = store().raw_trajectories(job_ids)
     if wants_msgpack():  # splice the stored msgpack blobs in as they are: no unpack + repack

@@ -19,7 +19,7 @@ def healthz() -> Response:
 
 
 @route(blueprint, "get", "/readyz", "Redis reachable and every stage queue served by a worker",
-       response=Readiness, public=True, errors=(503,))
+       response=Readiness, public=True, errors=(503,), error_models=((503, Readiness),))
 def readyz() -> Response:
     from workers import dispatch
 
@@ -51,3 +51,6 @@ def openapi() -> Response:
 def viewer() -> Response:
     page = resources.files("rollout_service").joinpath("ui/index.html").read_text()
     return Response(page, mimetype="text/html")
+
+
+blueprint.add_url_rule("/ui", endpoint="viewer_without_slash", redirect_to="/ui/", methods=["GET"])
