@@ -92,27 +92,30 @@ def tokenizer_problem(name_or_path: str) -> str | None:
     """Why ``name_or_path`` is no tokenizer this machine can load offline, or None: a directory
     holding a tokenizer's files, or a model name whose tokenizer is in the Hugging Face cache.
     Cheap (no transformers): what registering a backend checks."""
-    path = Path(name_or_path).expanduser()
     wanted = "/".join(TOKENIZER_FILES)
-    if path.is_dir():
-        if any((path / name).is_file() for name in TOKENIZER_FILES):
-            return None
-        return (f"tokenizer {name_or_path!r}: the directory {str(path)!r} holds none of {wanted}; pass the "
-                "directory of the model's tokenizer (e.g. the model's own directory)")
-    looks_like_path = path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1
-    if looks_like_path:
-        return f"tokenizer {name_or_path!r}: no such directory on this machine; pass a local directory holding {wanted}"
+    shown = repr(name_or_path[:200])
+    try:
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            if any((path / name).is_file() for name in TOKENIZER_FILES):
+                return None
+            return (f"tokenizer {shown}: the directory holds none of {wanted}; pass the directory of the "
+                    "model's tokenizer (e.g. the model's own directory)")
+    except (OSError, RuntimeError):  # a name too long for a path, "~user" of an unknown user
+        path = None
+    if path is None or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
+        return f"tokenizer {shown}: no such directory on this machine; pass a local directory holding {wanted}"
     from huggingface_hub import constants, try_to_load_from_cache
 
     try:
         cached = any(isinstance(try_to_load_from_cache(name_or_path, name), str) for name in TOKENIZER_FILES)
-    except ValueError:  # not a valid repository id
+    except (ValueError, OSError):  # not a valid repository id
         cached = False
     if cached:
         return None
-    return (f"tokenizer {name_or_path!r} is neither a local directory nor a model name whose tokenizer is in "
-            f"the Hugging Face cache ({constants.HF_HUB_CACHE}); tokenizers load offline: pass a directory "
-            f"holding {wanted}, or download it first (`huggingface-cli download {name_or_path}`)")
+    return (f"tokenizer {shown} is neither a local directory nor a model name whose tokenizer is in the "
+            f"Hugging Face cache ({constants.HF_HUB_CACHE}); tokenizers load offline: pass a directory "
+            f"holding {wanted}, or download it first (`huggingface-cli download {name_or_path[:200]}`)")
 
 
 def _is_plain_tokenizers_dir(path: Path) -> bool:
