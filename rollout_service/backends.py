@@ -603,5 +603,5 @@ def admitted(spec: BackendSpec, probe_timeout_s: float = 2.0) -> bool:
 def _answers_health(client: httpx.Client, url: str, timeout_s: float) -> bool:
     try:
         return client.get(f"{url}/health", timeout=timeout_s).is_success
-    except httpx.HTTPError:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError):
         return False
