@@ -23,7 +23,8 @@ ERROR_STATUSES = {
 ALWAYS = (500, 503)
 
 
-def spec() -> dict[str, Any]:
+def spec(token_required: bool = True) -> dict[str, Any]:
+    """The document; without ``token_required`` (no ROLLOUT_API_TOKEN) no route asks for a token."""
     from rollout_service.api import backends, batches, jobs, ops  # noqa: F401  (they declare the routes)
 
     components: dict[str, Any] = {"ErrorInfo": schemas.ErrorInfo.model_json_schema()}
@@ -31,8 +32,8 @@ def spec() -> dict[str, Any]:
                            "properties": {"error": {"$ref": "#/components/schemas/ErrorInfo"}}}
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
-        paths.setdefault(route.path, {})[route.method] = _operation(route, components)
-    return {
+        paths.setdefault(route.path, {})[route.method] = _operation(route, components, token_required)
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "rollout-service", "version": "1",
                  "description": "JSON by default; send 'Accept: application/msgpack' for msgpack."},
@@ -40,13 +41,15 @@ def spec() -> dict[str, Any]:
         "components": {"schemas": components, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer",
                        "description": "required when the service runs with ROLLOUT_API_TOKEN"}}},
-        "security": [{"bearer": []}],
     }
+    if token_required:
+        document["security"] = [{"bearer": []}]
+    return document
 
 
-def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
+def _operation(route: Route, components: dict[str, Any], token_required: bool) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": route.summary, "operationId": route.endpoint.replace(".", "_")}
-    if route.public:
+    if route.public and token_required:
         op["security"] = []
     parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string", "pattern": ID_PATTERN}}
                   for name in re.findall(r"{(\w+)}", route.path)]
@@ -80,7 +83,7 @@ def _operation(route: Route, components: dict[str, Any]) -> dict[str, Any]:
     responses: dict[str, Any] = {str(route.status): ok}
     error_models = dict(route.error_models)
     with_body = (400, 413, 415) if route.request is not None else ()
-    for status in sorted({*route.errors, *ALWAYS, *with_body, *((401,) if not route.public else ())}):
+    for status in sorted({*route.errors, *ALWAYS, *with_body, *((401,) if token_required and not route.public else ())}):
         error = {"$ref": "#/components/schemas/Error"}
         schema = {"anyOf": [_ref(error_models[status], components), error]} if status in error_models else error
         responses[str(status)] = {"description": ERROR_STATUSES[status], "content": _content(schema, msgpack=True)}

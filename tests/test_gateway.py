@@ -58,10 +58,10 @@ def test_openapi_describes_every_flask_route_and_nothing_else(service, redis_url
     from rollout_service.gateway import create_app
     from rollout_service.settings import Settings
 
-    app = create_app(Settings(redis_url=redis_url))
+    app = create_app(Settings(redis_url=redis_url, api_token="s3cret"))
     served = {(m.lower(), re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule))
               for rule in app.url_map.iter_rules() if not rule.redirect_to for m in rule.methods - {"HEAD", "OPTIONS"}}
-    spec = httpx.get(f"{service.url}/openapi.json").json()
+    spec = app.test_client().get("/openapi.json").json
     described = {(method, path) for path, ops in spec["paths"].items() for method in ops}
     assert served == described
 
@@ -79,6 +79,11 @@ def test_openapi_describes_every_flask_route_and_nothing_else(service, redis_url
     assert spec["paths"]["/healthz"]["get"]["security"] == [] and "security" not in submit
     for schema in ("JobRequest", "BulkJobRequest", "WaitResponse", "JobList", "TrajectoriesResponse", "Error"):
         assert schema in spec["components"]["schemas"]
+
+
+def test_without_a_token_the_document_asks_for_none(service):
+    spec = httpx.get(f"{service.url}/openapi.json").json()
+    assert "security" not in spec and "401" not in spec["paths"]["/v1/jobs"]["post"]["responses"]
 
 
 def test_metrics_export_queue_lengths(service):

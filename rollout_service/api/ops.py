@@ -7,7 +7,7 @@ import redis
 from flask import Blueprint, Response
 
 from rollout_service import metrics
-from rollout_service.api.common import reply, route, store
+from rollout_service.api.common import reply, route, settings, store
 from rollout_service.schemas import Health, Readiness
 
 blueprint = Blueprint("ops", __name__)
@@ -43,7 +43,7 @@ def prometheus() -> Response:
 def openapi() -> Response:
     from rollout_service.openapi import spec
 
-    return reply(spec())
+    return reply(spec(token_required=bool(settings().api_token)))
 
 
 @route(blueprint, "get", "/ui/", "The trajectory viewer (a static page; its API calls carry the token)",
