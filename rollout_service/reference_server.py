@@ -73,31 +73,37 @@ class ClientGone(Exception):
     """The client of a request closed its connection: the generation is stopped."""
 
 
-Wait = Callable[[float], None]
+class ClientWatch:
+    """Whether the client of a request has closed its connection (vLLM aborts the request of a
+    client that disconnects; so does this server). Without a socket, the client never leaves."""
 
+    def __init__(self, sock: socket.socket | None) -> None:
+        self.sock = sock
 
-def waiting_on(sock: socket.socket | None) -> Wait:
-    """A sleep that raises ClientGone as soon as the client on ``sock`` closes its connection (as
-    vLLM aborts the request of a client that disconnects); a plain sleep without a socket."""
-    if sock is None:
-        return time.sleep
-
-    def wait(seconds: float) -> None:
-        deadline = time.monotonic() + seconds
+    def gone(self, timeout_s: float = 0.0) -> bool:
+        """True once the client closed its connection; waits up to ``timeout_s`` for a sign."""
+        if self.sock is None:
+            time.sleep(timeout_s)
+            return False
         poller = select.poll()
-        poller.register(sock, select.POLLIN | select.POLLRDHUP | select.POLLHUP)
+        poller.register(self.sock, select.POLLIN | select.POLLRDHUP | select.POLLHUP)
+        if not poller.poll(timeout_s * 1000):
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``; ClientGone as soon as the client leaves."""
+        deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            if not poller.poll(left * 1000):
-                return
-            try:
-                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    raise ClientGone("the client closed its connection")
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError as exc:
-                raise ClientGone(f"the client's connection failed: {exc}") from exc
-            time.sleep(min(0.05, max(left, 0)))  # bytes of a next request: look again a little later
-    return wait
+            if self.gone(left):
+                raise ClientGone("the client closed its connection")
+            if self.sock is not None:  # readable and still open (a next request's bytes): look again later
+                time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
 
 
 @dataclass
@@ -149,7 +155,8 @@ class ScriptEngine:
     def encode(self, text: str) -> list[int]:
         return self.renderer.encode(text)
 
-    def generate(self, prompt_ids: list[int], params: GenerateParams, wait: Wait = time.sleep) -> Completion:
+    def generate(self, prompt_ids: list[int], params: GenerateParams, client: ClientWatch = ClientWatch(None)
+                 ) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
                                f"However, your prompt has {len(prompt_ids)} tokens; shorten it")
@@ -171,7 +178,7 @@ class ScriptEngine:
             )
         turn = turns[turn_index]
         if turn["delay_s"]:
-            wait(turn["delay_s"])
+            client.wait(turn["delay_s"])
         ids = self.encode(turn["text"])
         if not ids or ids[-1] != self.renderer.end_of_turn_id:
             ids.append(self.renderer.end_of_turn_id)
@@ -247,6 +254,7 @@ def _validated_turns(turns: list[Any], n: int, bad: Callable[[str], ValueError])
 class _Pending:
     prompt_ids: list[int]
     params: GenerateParams
+    abandoned: bool = False  # its client left: dropped from its batch
     done: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
     error: BaseException | None = None
@@ -334,11 +342,15 @@ class ModelEngine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompt_ids: list[int], params: GenerateParams) -> Completion:
+    def generate(self, prompt_ids: list[int], params: GenerateParams, client: ClientWatch = ClientWatch(None)
+                 ) -> Completion:
         self._check_prompt(prompt_ids)
         pending = _Pending(prompt_ids, params)
         self._pending.put(pending)
-        pending.done.wait()
+        while not pending.done.wait(None if client.sock is None else 0.05):
+            if client.gone():
+                pending.abandoned = True
+                raise ClientGone("the client closed its connection")
         if pending.error is not None:
             raise pending.error
         assert pending.result is not None
@@ -365,9 +377,13 @@ class ModelEngine:
                     batch.append(self._pending.get(timeout=max(deadline - time.monotonic(), 0.0)))
                 except queue.Empty:
                     break
+            batch = [p for p in batch if not p.abandoned]
+            if not batch:
+                continue
             try:
                 with self._weights_lock:
-                    results = self.generate_batch([p.prompt_ids for p in batch], [p.params for p in batch])
+                    results = self.generate_batch([p.prompt_ids for p in batch], [p.params for p in batch],
+                                                  [lambda p=p: p.abandoned for p in batch])
                 for pending, result in zip(batch, results):
                     pending.result = result
             except BaseException as exc:  # handed to every waiting request, answered as a 500
@@ -377,8 +393,11 @@ class ModelEngine:
                 for pending in batch:
                     pending.done.set()
 
-    def generate_batch(self, prompts: list[list[int]], params: list[GenerateParams]) -> list[Completion]:
-        """Generate for all ``prompts`` at once (left padding, one forward per step)."""
+    def generate_batch(self, prompts: list[list[int]], params: list[GenerateParams],
+                       abandoned: list[Callable[[], bool]] | None = None) -> list[Completion]:
+        """Generate for all ``prompts`` at once (left padding, one forward per step); a row whose
+        ``abandoned()`` turns true leaves the batch (its completion is cut where it was)."""
+        abandoned = abandoned or [lambda: False] * len(prompts)
         torch = self.torch
         self.batch_sizes[len(prompts)] += 1
         rows = [
@@ -400,7 +419,7 @@ class ModelEngine:
             position = positions[:, -1]
             while True:
                 logits = out.logits[:, -1].float()
-                keep = [j for j, i in enumerate(active) if not rows[i].take(torch, logits[j])]
+                keep = [j for j, i in enumerate(active) if not rows[i].take(torch, logits[j]) and not abandoned[i]()]
                 if not keep:
                     break
                 cache = out.past_key_values
@@ -545,14 +564,13 @@ def create_app(
     app.config["request_log"] = log
 
     def run(protocol: str, prompt_ids: list[int], params: GenerateParams) -> Completion:
-        wait = waiting_on(request.environ.get("werkzeug.socket"))
+        client = ClientWatch(request.environ.get("werkzeug.socket"))
         try:
             if latency_s:
-                wait(latency_s)
+                client.wait(latency_s)
             if fail_rate and rng.random() < fail_rate:
                 raise RequestError("injected failure (--fail-rate)", status=503)
-            completion = engine.generate(prompt_ids, params, wait) if isinstance(engine, ScriptEngine) \
-                else engine.generate(prompt_ids, params)
+            completion = engine.generate(prompt_ids, params, client)
         except ClientGone:
             aborted[0] += 1
             raise

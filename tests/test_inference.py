@@ -432,3 +432,15 @@ def test_answers_are_read_float_for_float_as_the_standard_library_reads_them_and
     body = {"prompt": list(range(600)), "temperature": 0.7, "seed": None, "stop": ["</s>"], "text": "é ✓"}
     assert json.loads(dumps_body(body)) == body
     assert json.loads(dumps_body({1: "a", "big": 2**70})) == {"1": "a", "big": 2**70}
+
+
+def test_the_model_server_stops_a_generation_whose_client_left_and_serves_the_next_at_once(
+        model_server, model_prompt):
+    aborted_before = httpx.get(f"{model_server}/health").json()["aborted_requests"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{model_server}/v1/completions", timeout=1.0, json={
+            "prompt": model_prompt, "max_tokens": 8000, "ignore_eos": True, "logprobs": 0})
+    started = time.monotonic()
+    generation = generate("vllm", model_server, model_prompt, max_new_tokens=4, timeout_s=30, temperature=0.0)
+    assert len(generation.token_ids) <= 4 and time.monotonic() - started < 1.0
+    assert httpx.get(f"{model_server}/health").json()["aborted_requests"] == aborted_before + 1
