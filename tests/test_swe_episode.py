@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.test_llm import wait_for
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -47,7 +49,7 @@ def test_a_task_whose_repo_path_is_outside_the_allowed_roots_is_refused_at_submi
     assert httpx.post(f"{service.url}/v1/jobs", json={"task": {**task, "repo_path": str(linked)}}).status_code == 400
 
 
-def test_a_scripted_agent_fixes_the_example_repository_and_is_resolved(client, scripted_backend, swe_task):
+def test_a_scripted_agent_fixes_the_example_repository_and_is_resolved(service, client, scripted_backend, swe_task):
     scripted_backend({"episodes": [{"match": "is_leap_year(1900) returns True", "turns": [
         "Let me look at the rule.\n" + tool_call("bash", command="grep -n 'year % 4' dates/calendar.py"),
         "The century rule is missing.\n" + tool_call(
@@ -69,6 +71,8 @@ def test_a_scripted_agent_fixes_the_example_repository_and_is_resolved(client, s
     observations = [m["content"] for m in client.trajectory(job_id).messages if m["role"] == "tool"]
     assert "return year % 4 == 0" in observations[0]
     assert "3 passed" in observations[2]
+    workspace = service.state_dir / "workspaces" / job_id
+    wait_for(lambda: not workspace.exists(), 30, "the ended job's workspace to be removed")
 
 
 def test_a_scripted_agent_that_only_edits_the_tests_is_not_resolved(client, scripted_backend, swe_task):

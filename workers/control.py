@@ -6,6 +6,8 @@ interval, so adding control workers adds no duplicate probes.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import socket
 import threading
 import time
@@ -16,7 +18,7 @@ from celery.signals import worker_ready
 
 from rollout_service.backends import BackendPool
 from rollout_service.errors import StoreUnavailable
-from rollout_service.schemas import JobStatus
+from rollout_service.schemas import TERMINAL_STATUSES, JobStatus
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from workers import dispatch
@@ -42,6 +44,27 @@ def housekeeping() -> dict[str, Any]:
     }
     log.debug("housekeeping: %s", report)
     return report
+
+
+ENDED = {status.value.encode() for status in TERMINAL_STATUSES}
+
+
+def remove_ended_workspaces(store: JobStore) -> list[str]:
+    """Delete the workspaces (under this node's state dir) of jobs that ended or expired: nothing
+    of a job outlives it on disk. Returns their job ids."""
+    root = store.settings.workspaces_path
+    try:
+        job_ids = [entry.name for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    with store.redis.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hget(store.key(job_id), "status")
+        statuses = pipe.execute() if job_ids else []
+    ended = [job_id for job_id, status in zip(job_ids, statuses) if status is None or status in ENDED]
+    for job_id in ended:
+        shutil.rmtree(root / job_id, ignore_errors=True)
+    return ended
 
 
 ORPHAN_FIELDS = ("status", "created_at", "first_stage", *(field for stage in dispatch.STAGES
@@ -128,6 +151,7 @@ def _start_housekeeping(sender: Any, **_: Any) -> None:
             try:
                 store = job_store()
                 reap_expired(store.redis, socket.gethostname())  # every node reaps its own
+                remove_ended_workspaces(store)
                 if store.redis.set(LOCK_KEY, sender.hostname, nx=True, px=int(interval_s * 900)):
                     housekeeping()
             except Exception:
