@@ -52,8 +52,10 @@ def _require_domain(task: dict[str, Any]) -> dict[str, Any]:
     return task
 
 
-TASK_SCHEMA = {"required": ["domain"], "properties": {"domain": {
-    "type": "string", "minLength": 1, "description": "math | stem | code | swe"}}}
+TASK_SCHEMA = {"required": ["domain"], "additionalProperties": True, "properties": {"domain": {
+    "type": "string", "minLength": 1, "description": "math | stem | code | swe"}},
+    "description": "the domain's fields (checked by its handler: a missing or mistyped one is a 400); other "
+                   "fields, such as a dataset row's extra columns, are kept with the job and ignored"}
 
 
 class _Strict(BaseModel):
