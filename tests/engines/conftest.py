@@ -1,0 +1,29 @@
+"""A real vLLM (its CPU build, from `make vllm`) serving SmolLM2-135M-Instruct, started once per session."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from rollout_service.engines import VLLMServer
+from rollout_service.models import build_smollm2
+from rollout_service.redis_server import free_port
+from rollout_service.settings import get_settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_smollm2(Path.home() / ".cache" / "rollout-service" / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[VLLMServer]:
+    """One vLLM server for the session (model name ``smollm2``); its log is in the session's tmp dir."""
+    venv = Path(get_settings().vllm_venv)
+    server = VLLMServer(venv if venv.is_absolute() else REPO / venv, smollm2_dir, "smollm2", free_port(),
+                        tmp_path_factory.mktemp("vllm") / "vllm.log").start()
+    yield server
+    server.stop()
