@@ -18,6 +18,7 @@ from rollout_service.errors import ConfigError, RolloutError
 from rollout_service.models import reference_model_name, resolve_reference_model
 from rollout_service.schemas import BackendView
 from rollout_service.settings import Settings, get_settings
+from rollout_service.engines import ENGINES, VLLM_START_TIMEOUT_S
 from rollout_service.supervisor import INTAKE, SERVICES, STORE, Supervisor
 
 WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
@@ -88,6 +89,26 @@ def flower_command(settings: Settings) -> list[str]:
             f"--enable_events={settings.task_events}"]  # Flower would otherwise turn worker events back on
 
 
+def served_model(settings: Settings, engine: str) -> str:
+    """What the backend `up` starts serves: ROLLOUT_REFERENCE_MODEL; by default the tiny model on
+    the project's server, SmolLM2 on vLLM (a random-weight model is no use to a real engine)."""
+    chosen = settings.reference_model.strip()
+    return chosen or ("smollm2" if engine == "vllm" else "tiny")
+
+
+def engine_command(settings: Settings, engine: str, model_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The command and extra environment of the backend `up` starts (ROLLOUT_ENGINE)."""
+    if engine == "vllm":
+        from rollout_service.engines import vllm_command, vllm_env
+
+        name = reference_model_name(served_model(settings, engine))
+        return (vllm_command(Path(settings.vllm_venv).resolve(), model_dir, name, settings.reference_port),
+                vllm_env(settings.vllm_kv_cache_gib))
+    if engine == "reference":
+        return reference_command(settings, model_dir), {}
+    raise ConfigError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)} (ROLLOUT_ENGINE or --engine)")
+
+
 def reference_command(settings: Settings, model_dir: Path) -> list[str]:
     return [sys.executable, "-m", "rollout_service.reference_server", "--model", str(model_dir),
             "--port", str(settings.reference_port), "--host", "127.0.0.1"]
@@ -106,11 +127,11 @@ def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int,
     raise ConfigError(f"{url} did not become ready within {timeout_s:.0f} s; see logs in {supervisor.log_dir}")
 
 
-def register_reference(gateway: str, reference: str, model_dir: Path, settings: Settings) -> None:
+def register_reference(gateway: str, reference: str, model_dir: Path, settings: Settings, engine: str) -> None:
     headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
     answer = httpx.post(f"{gateway}/v1/backends", headers=headers, timeout=10, json={
-        "url": reference, "kind": "reference", "model": reference_model_name(settings.reference_model),
-        "tokenizer": str(model_dir)})
+        "url": reference, "kind": "vllm" if engine == "vllm" else "reference",
+        "model": reference_model_name(served_model(settings, engine)), "tokenizer": str(model_dir)})
     if not answer.is_success:
         raise ConfigError(f"registering the reference backend failed: {answer.status_code} {answer.text[:500]}")
 
@@ -147,7 +168,8 @@ def mask_password(url: str) -> str:
 def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
                  model_dir: Optional[Path]) -> None:
     if model_dir is not None:
-        supervisor.start("reference", reference_command(settings, model_dir), stop_rank=SERVICES)
+        command, env = engine_command(settings, args.engine, model_dir)
+        supervisor.start(args.engine, command, stop_rank=SERVICES, env=env)
     supervisor.start("gateway", gateway_command(settings), stop_rank=INTAKE)
     for queue in WORKER_POOLS:
         copies = {"run": args.run_workers or settings.run_workers, "init": args.init_workers}.get(queue, 1)
@@ -163,6 +185,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from rollout_service.redis_server import RedisServer, write_private
 
     settings = get_settings()
+    args.engine = args.engine or settings.engine
     state = settings.state_path
     state.mkdir(parents=True, exist_ok=True)
     redis_server: Optional[RedisServer] = None
@@ -182,21 +205,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         with_reference = not args.no_reference
         model_dir = None
         if with_reference:
-            print(f"preparing the reference model {reference_model_name(settings.reference_model)!r} (once) ...",
-                  flush=True)
-            model_dir = resolve_reference_model(settings.reference_model, state)
+            model = served_model(settings, args.engine)
+            if args.engine not in ENGINES:
+                raise ConfigError(f"unknown engine {args.engine!r}; valid: {', '.join(ENGINES)} (ROLLOUT_ENGINE or --engine)")
+            print(f"preparing the model {reference_model_name(model)!r} for the {args.engine} engine (once) ...", flush=True)
+            model_dir = resolve_reference_model(model, state)
         start_pieces(supervisor, settings, args, model_dir)
         address = local_address(settings)
         gateway = f"http://{address}:{settings.port}"
         reference = f"http://127.0.0.1:{settings.reference_port}"
         wait_http(f"{gateway}/healthz", supervisor, 60)
         if model_dir is not None:
-            wait_http(f"{reference}/health", supervisor, 120)
-            register_reference(gateway, reference, model_dir, settings)
+            if args.engine == "vllm":
+                print(f"starting vLLM (its log: {supervisor.log_dir / 'vllm.log'}; 1-3 minutes on a small machine) ...",
+                      flush=True)
+            wait_http(f"{reference}/health", supervisor, VLLM_START_TIMEOUT_S if args.engine == "vllm" else 120)
+            register_reference(gateway, reference, model_dir, settings, args.engine)
         backends = probe_backends_at_start(redis_url)
         if with_reference and not any(b.url == reference and b.healthy for b in backends):
-            raise ConfigError(f"the reference backend {reference} is not registered as healthy; "
-                              f"see {supervisor.log_dir / 'reference.log'}")
+            raise ConfigError(f"the {args.engine} backend {reference} is not registered as healthy; "
+                              f"see {supervisor.log_dir / (args.engine + '.log')}")
         wait_http(f"{gateway}/readyz", supervisor, 120)
         wait_http(f"http://{address}:{settings.flower_port}/healthcheck", supervisor, 60)
         unhealthy = [b for b in backends if not b.healthy]
@@ -206,7 +234,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
               f"  flower     http://{address}:{settings.flower_port}{everywhere}"
               + (f"  (user {FLOWER_USER!r}, the API token as password)" if settings.api_token else "") + "\n"
-              + (f"  reference  {reference}  (model '{reference_model_name(settings.reference_model)}', registered and healthy)\n" if with_reference else "")
+              + (f"  {args.engine:<10} {reference}  (model '{reference_model_name(served_model(settings, args.engine))}', registered and healthy)\n" if with_reference else "")
               + f"  workers    init x{args.init_workers}, run x{run_workers}, eval, control\n"
               f"  redis      {mask_password(redis_url)}"
               + (f"  (password in {redis_server.data_dir / 'password'})" if redis_server else "") + "\n"
@@ -347,7 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start redis, gateway, workers, flower and the reference backend")
     up.add_argument("--redis-port", type=int, default=None, help="port of the embedded redis (default: free)")
-    up.add_argument("--no-reference", action="store_true", help="do not start the reference backend")
+    up.add_argument("--no-reference", action="store_true", help="do not start a backend")
+    up.add_argument("--engine", choices=ENGINES, default=None,
+                    help="serve ROLLOUT_REFERENCE_MODEL with the project's reference server or vLLM's CPU build "
+                         "(`make vllm`); default ROLLOUT_ENGINE (reference)")
     up.add_argument("--run-workers", type=positive_int, default=None, metavar="N",
                     help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY greenlets); "
                          "default ROLLOUT_RUN_WORKERS, the number of cores")

@@ -27,3 +27,12 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> 
                         tmp_path_factory.mktemp("vllm") / "vllm.log").start()
     yield server
     server.stop()
+
+
+ENGINE_TEST_TIMEOUT_S = 1200  # the first test also waits for vLLM's start (its compilation, on a busy 2-core machine)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
