@@ -9,7 +9,8 @@ shares one exact view:
 - ``heap:{model}`` (zset)     backend id scored by its *live* assignments (the load heap)
 - ``jobs:{id}`` (set)         job ids assigned to the backend; the score always equals its size
 - ``job:{job_id}`` (string)   the job's sticky backend id
-- ``version`` / ``paused``    weight-sync state; ``calls`` (hash job -> in-flight LLM calls)
+- ``version`` / ``paused``    weight-sync state; ``calls`` (hash job -> in-flight LLM calls);
+  ``updated``                 new weights were loaded during this pause (resume keeps their version)
 
 Every mutation of the assignment state is one Lua script, so counts stay exact with any
 number of concurrent workers and a crash can never lose or double-count an assignment.
@@ -22,14 +23,14 @@ import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import httpx
 import redis
 
 from rollout_service.autopipeline import fire, submit
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
-from rollout_service.schemas import BackendSpec, BackendView
+from rollout_service.schemas import BackendSpec, BackendView, EngineResult
 from rollout_service.store import scripts_of
 from rollout_service.store import as_text
 
@@ -243,14 +244,32 @@ end
 return {out, version()}
 """
 
+# ARGV: prefix, version ('' : current + 1, or current if new weights were loaded during the pause),
+# '1' to lift the pause as well ('0': only move the version, the engines resume first).
 _RESUME = _LUA_KEYS + """
+local current = tonumber(redis.call('GET', key('version')) or '0')
+local version = current + 1
+if ARGV[2] ~= '' then version = tonumber(ARGV[2])
+elseif redis.call('EXISTS', key('updated')) == 1 then version = current end
+if version < current then return {0, current} end
+redis.call('SET', key('version'), version)
+redis.call('DEL', key('updated'))
+if ARGV[3] ~= '0' then
+  redis.call('DEL', key('paused'))
+  redis.call('PUBLISH', key('resumed'), version)
+end
+return {1, version}
+"""
+
+# New weights are in the engines: ARGV: prefix, their version ('' : current + 1).
+_WEIGHTS_LOADED = _LUA_KEYS + """
 local current = tonumber(redis.call('GET', key('version')) or '0')
 local version = current + 1
 if ARGV[2] ~= '' then version = tonumber(ARGV[2]) end
 if version < current then return {0, current} end
 redis.call('SET', key('version'), version)
-redis.call('DEL', key('paused'))
-redis.call('PUBLISH', key('resumed'), version)
+local pause_ms = redis.call('PTTL', key('paused'))
+if pause_ms > 0 then redis.call('SET', key('updated'), 1, 'PX', pause_ms) end
 return {1, version}
 """
 
@@ -263,7 +282,7 @@ return tonumber(redis.call('GET', key('version')) or '0')
 _END_CALL = _LUA_KEYS + """
 local calls = key('calls')
 if redis.call('HINCRBY', calls, ARGV[2], -1) <= 0 then redis.call('HDEL', calls, ARGV[2]) end
-return 1
+return version()
 """
 
 
@@ -313,10 +332,10 @@ class BackendPool:
         self.prefix = prefix
         (self._register, self._remove, self._acquire, self._start_call, self._release, self._set_health,
          self._record_probe, self._reconcile, self._views, self._resume, self._begin_call, self._end_call,
-         self._renew_gate, self._release_gate, self._open_gates, self._count_call) = scripts_of(
+         self._renew_gate, self._release_gate, self._open_gates, self._count_call, self._weights_loaded) = scripts_of(
             redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
             _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL, _RENEW_GATE, _RELEASE_GATE, _OPEN_GATES,
-            _COUNT_CALL)
+            _COUNT_CALL, _WEIGHTS_LOADED)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, "backend", *parts))
@@ -484,9 +503,27 @@ class BackendPool:
         ttl_ms = self.redis.pttl(self._key("paused"))
         return ttl_ms / 1000 if ttl_ms >= 0 else None
 
-    def resume(self, policy_version: int | None = None) -> int:
+    def resume(self, policy_version: int | None = None, lift: bool = True) -> int:
+        """Move to ``policy_version`` (None: one up, or the version of weights loaded during this
+        pause) and lift the pause; ``lift=False`` moves the version only (calls a keep-mode pause
+        froze in the engines then end under it)."""
         requested = "" if policy_version is None else str(int(policy_version))
-        accepted, version = self._resume(args=[self.prefix, requested])
+        return self._versioned(self._resume(args=[self.prefix, requested, "1" if lift else "0"]), policy_version)
+
+    def weights_loaded(self, policy_version: int | None = None) -> int:
+        """Every engine of a pool now serves new weights: the policy version moves to
+        ``policy_version`` (None: one up) at once; during a pause, resume keeps it."""
+        requested = "" if policy_version is None else str(int(policy_version))
+        return self._versioned(self._weights_loaded(args=[self.prefix, requested]), policy_version)
+
+    def check_version(self, policy_version: int | None) -> None:
+        """A ValidationError if ``policy_version`` is below the current one (versions only go up)."""
+        if policy_version is not None and policy_version < self.policy_version():
+            self._versioned([0, self.policy_version()], policy_version)
+
+    @staticmethod
+    def _versioned(reply: list[Any], policy_version: int | None) -> int:
+        accepted, version = reply
         if not int(accepted):
             raise ValidationError(
                 f"policy_version {policy_version} is below the current {int(version)}; versions "
@@ -505,9 +542,17 @@ class BackendPool:
         version = self._begin_call(args=[self.prefix, job_id])
         return None if version is None else int(version)
 
-    def end_call(self, job_id: str) -> None:
-        """The call is over (a green worker does not wait for the reply: nothing depends on it)."""
-        fire(self.redis, self._end_call, args=[self.prefix, job_id])
+    def end_call(self, job_id: str) -> Callable[[], Optional[int]]:
+        """The call is over. Its answer, the policy version when it ended, rides the next shared
+        round trip: read it later (``TrajectoryBuilder`` does when the turn is settled), never wait."""
+        pending = submit(self.redis, self._end_call, args=[self.prefix, job_id])
+
+        def version() -> Optional[int]:
+            try:
+                return int(as_text(pending()))
+            except Exception:  # a Redis blip: the turn records its start version only
+                return None
+        return version
 
     def renew_gate(self, owner: str, lease_s: float) -> int | None:
         """Keep ``owner``'s call gate open for ``lease_s`` more: the policy version, or None while paused."""
@@ -605,3 +650,66 @@ def _answers_health(client: httpx.Client, url: str, timeout_s: float) -> bool:
         return client.get(f"{url}/health", timeout=timeout_s).is_success
     except (httpx.HTTPError, httpx.InvalidURL, ValueError):
         return False
+
+
+# engine control: the service pauses, resumes and reloads its engines (vLLM's dev-mode RL routes,
+# SGLang's, the reference server's)
+
+PAUSE_MODES = ("keep", "wait", "abort")
+_SGLANG_PAUSE_MODES = {"keep": "in_place", "wait": "in_place", "abort": "abort"}  # SGLang drains nothing itself
+
+
+def _control_request(kind: str, action: str, mode: str, model_path: str
+                     ) -> tuple[str, dict[str, str], Optional[dict[str, Any]]]:
+    """(path, query, JSON body) of ``action`` ("pause" | "resume" | "update_weights") on a ``kind`` engine."""
+    if action == "pause":
+        if kind == "sglang":
+            return "/pause_generation", {}, {"mode": _SGLANG_PAUSE_MODES[mode]}
+        return "/pause", {"mode": mode}, None
+    if action == "resume":
+        return ("/continue_generation", {}, {}) if kind == "sglang" else ("/resume", {}, None)
+    if kind == "vllm":  # in place, from the directory, on every worker (vLLM's CPU build included)
+        return "/collective_rpc", {}, {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
+    return "/update_weights_from_disk", {}, {"model_path": model_path}
+
+
+def _control_error(kind: str, path: str, response: httpx.Response) -> Optional[str]:
+    if response.status_code == 404 and kind == "vllm":
+        return (f"HTTP 404 from POST {path}: start vLLM with VLLM_SERVER_DEV_MODE=1 for its RL routes "
+                "(/pause, /resume, /collective_rpc)")
+    if not response.is_success:
+        return f"HTTP {response.status_code} from POST {path}: {response.text[:500]}"
+    if path == "/update_weights_from_disk":  # SGLang answers 200 {"success": false, "message"} too
+        try:
+            answer = response.json()
+        except ValueError:
+            return f"POST {path} answered no JSON: {response.text[:300]}"
+        if isinstance(answer, dict) and answer.get("success") is False:
+            return f"POST {path}: {answer.get('message', answer)}"
+    return None
+
+
+def _control_one(client: httpx.Client, view: BackendView, action: str, mode: str, model_path: str,
+                 timeout_s: float) -> EngineResult:
+    path, params, payload = _control_request(view.kind, action, mode, model_path)
+    started = time.monotonic()
+    try:
+        response = client.post(f"{view.url}{path}", params=params, json=payload, timeout=timeout_s)
+        error = _control_error(view.kind, path, response)
+    except httpx.TimeoutException:
+        error = f"no answer to POST {path} within {timeout_s:g} s"
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+        error = f"POST {path} failed: {type(exc).__name__}: {exc}"
+    return EngineResult(backend_id=view.id, url=view.url, kind=view.kind, ok=error is None, error=error,
+                        seconds=round(time.monotonic() - started, 3))
+
+
+def control_engines(backends: list[BackendView], action: str, timeout_s: float, mode: str = "wait",
+                    model_path: str = "") -> list[EngineResult]:
+    """Send ``action`` to every engine of ``backends`` at once; what each answered, in order (never raises)."""
+    if not backends:
+        return []
+    client = _health_client()
+    with ThreadPoolExecutor(min(PROBE_THREADS, len(backends))) as pool:
+        return list(pool.map(lambda view: _control_one(client, view, action, mode, model_path, timeout_s),
+                             backends))

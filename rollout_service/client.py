@@ -22,6 +22,7 @@ class RolloutClient:
                  timeout_s: float = 60.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self._control_timeout_s = max(timeout_s, 120.0)  # the service waits for every engine's answer
 
     def close(self) -> None:
         self.http.close()
@@ -117,15 +118,32 @@ class RolloutClient:
     def remove_backend(self, backend_id: str) -> None:
         self._call("DELETE", f"/v1/backends/{backend_id}")
 
-    def pause(self, wait_s: float = 0.0, ttl_s: Optional[float] = None) -> dict[str, Any]:
-        """Stop new LLM calls for a weight sync; the pause lifts by itself after ``ttl_s``
-        (server default 600 s) unless renewed by pausing again, or ended by resume()."""
-        params = {"wait": wait_s} if ttl_s is None else {"wait": wait_s, "ttl": ttl_s}
-        return self._call("POST", "/v1/backends/pause", params=params)
+    def pause(self, wait_s: float = 0.0, ttl_s: Optional[float] = None, mode: Optional[str] = None
+              ) -> dict[str, Any]:
+        """Stop new LLM calls and pause every engine for a weight sync. ``mode``: ``"wait"`` (the
+        server's default) lets calls in flight finish, ``"keep"`` freezes them in the engines until
+        resume, ``"abort"`` drops them. The pause lifts by itself after ``ttl_s`` (server default
+        600 s) unless renewed by pausing again, or ended by resume(). The answer's ``engines`` says
+        what each engine answered."""
+        params: dict[str, Any] = {"wait": wait_s}
+        if ttl_s is not None:
+            params["ttl"] = ttl_s
+        if mode is not None:
+            params["mode"] = mode
+        return self._call("POST", "/v1/backends/pause", params=params, timeout=wait_s + self._control_timeout_s)
 
     def resume(self, policy_version: Optional[int] = None) -> dict[str, Any]:
         body = {} if policy_version is None else {"policy_version": policy_version}
-        return self._call("POST", "/v1/backends/resume", json=body)
+        return self._call("POST", "/v1/backends/resume", json=body, timeout=self._control_timeout_s)
+
+    def update_weights(self, model_path: str, model: Optional[str] = None, policy_version: Optional[int] = None,
+                       timeout_s: float = 900.0) -> dict[str, Any]:
+        """Every engine of ``model`` (default: the only model served) loads the weights saved in
+        ``model_path`` (``save_pretrained``; a directory the engines can read); answers once all
+        did. An engine that failed is an ApiError (502) naming it; the policy version then stays."""
+        body = {"model_path": str(model_path), **({"model": model} if model else {}),
+                **({} if policy_version is None else {"policy_version": policy_version})}
+        return self._call("POST", "/v1/backends/update_weights", json=body, timeout=timeout_s)
 
     # -- batches --------------------------------------------------------------------
     def batch(self, tasks: list[dict[str, Any]], *, group_size: int, target_groups: int,

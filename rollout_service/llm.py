@@ -157,6 +157,7 @@ class PooledLLM:
             if ids is not None:
                 return ids
         left: Optional[str] = None  # the backend this call failed on first
+        ended_under: Optional[Callable[[], Optional[int]]] = None
         while True:
             backend = self._start_call()
             version = backend.policy_version
@@ -169,7 +170,7 @@ class PooledLLM:
             else:
                 break
             finally:
-                self.pool.end_call(self.job_id)
+                ended_under = self.pool.end_call(self.job_id)
             self._lost(backend, unreachable, again=left is not None)  # not counted in flight while it waits
             left = left or backend.id
         self.down_since = None
@@ -177,7 +178,7 @@ class PooledLLM:
         self.last_backend_id, self.sticky = backend.id, backend
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
                               finish_reason=gen.finish_reason, latency_s=gen.latency_s,
-                              moved_from=moved_from)
+                              moved_from=moved_from, ended_under=ended_under)
         return gen.token_ids
 
     def _generate_under_gate(self, backend: BackendView, version: int, prompt_ids: list[int],
@@ -195,7 +196,7 @@ class PooledLLM:
         except BackendUnreachable:
             pass
         finally:
-            self.pool.end_call(self.job_id)
+            ended_under = self.pool.end_call(self.job_id)
         status, assigned = counted()
         if status == "cancelled":
             raise EpisodeInterrupted(FinishReason.cancelled)
@@ -203,7 +204,8 @@ class PooledLLM:
             self.sticky = None
             return None
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
-                              finish_reason=gen.finish_reason, latency_s=gen.latency_s, moved_from=None)
+                              finish_reason=gen.finish_reason, latency_s=gen.latency_s, moved_from=None,
+                              ended_under=ended_under)
         return gen.token_ids
 
     def _call(self, backend: BackendView, prompt_ids: list[int], max_new_tokens: int) -> Generation:

@@ -756,7 +756,82 @@ def create_app(
             }
         )
 
+    add_pause_routes(app)
     return app
+
+
+GENERATION_PATHS = ("/v1/completions", "/generate", "/inference/v1/generate")
+
+
+class PauseLatch:
+    """A paused server holds every new generation request until resume; the calls already in
+    flight run on (the model engine generates a batch under one set of weights)."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.paused = False
+        self.inflight = 0
+
+    def enter(self) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: not self.paused)
+            self.inflight += 1
+
+    def leave(self) -> None:
+        with self.changed:
+            self.inflight -= 1
+            self.changed.notify_all()
+
+    def pause(self, drain_timeout_s: float | None) -> bool:
+        """Pause; with ``drain_timeout_s``, wait that long for the calls in flight to end (whether they did)."""
+        with self.changed:
+            self.paused = True
+            if drain_timeout_s is None:
+                return self.inflight == 0
+            return self.changed.wait_for(lambda: self.inflight == 0, drain_timeout_s)
+
+    def resume(self) -> None:
+        with self.changed:
+            self.paused = False
+            self.changed.notify_all()
+
+
+def add_pause_routes(app: Flask, drain_timeout_s: float = 600.0) -> PauseLatch:
+    """vLLM's ``POST /pause?mode=keep|wait``, ``POST /resume`` and ``GET /is_paused``. ``keep`` answers
+    at once, ``wait`` once the calls in flight are done; ``abort`` is refused (a generation in
+    flight cannot be dropped here)."""
+    latch = PauseLatch()
+
+    @app.before_request
+    def hold_while_paused() -> None:
+        if request.path in GENERATION_PATHS:
+            latch.enter()
+            request.environ["rollout.counted"] = True
+
+    @app.teardown_request
+    def count_done(exc: BaseException | None) -> None:
+        if request.environ.pop("rollout.counted", False):
+            latch.leave()
+
+    @app.post("/pause")
+    def pause() -> Response:
+        mode = request.args.get("mode", "abort")
+        if mode not in ("keep", "wait"):
+            raise RequestError(f"mode {mode!r} is not supported by the reference server: use keep or wait "
+                               "(it cannot drop a generation in flight)")
+        drained = latch.pause(drain_timeout_s if mode == "wait" else None)
+        return jsonify({"status": "paused", "mode": mode, "inflight": latch.inflight, "drained": drained})
+
+    @app.post("/resume")
+    def resume() -> Response:
+        latch.resume()
+        return jsonify({"status": "resumed"})
+
+    @app.get("/is_paused")
+    def is_paused() -> Response:
+        return jsonify({"is_paused": latch.paused})
+
+    return latch
 
 
 def _json_body() -> dict[str, Any]:

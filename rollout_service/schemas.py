@@ -216,6 +216,10 @@ class Turn(BaseModel):
     finish_reason: Optional[str] = None
     latency_s: float = 0.0
     moved_from: Optional[str] = Field(None, description="backend that died during this call")
+    resumed_under: Optional[int] = Field(None, description=(
+        "the policy version when this call ended, if it differs from policy_version: a keep-mode pause "
+        "froze the call in the engine and it resumed under new weights (tokens before the sync came "
+        "from policy_version, the rest from this one)"))
 
 
 class Segment(BaseModel):
@@ -316,6 +320,8 @@ class PauseState(BaseModel):
     policy_version: int
     inflight_calls: Optional[int] = Field(None, description="LLM calls still running, plus run workers that may still start one without asking (their call gate closes within ROLLOUT_CALL_GATE_LEASE_S of the pause); 0: safe to sync weights (pause only)")
     expires_in_s: Optional[float] = Field(None, description="seconds until the pause lifts by itself (pause only)")
+    mode: Optional[str] = Field(None, description="the pause mode the engines were asked for (pause only)")
+    engines: Optional[list["EngineResult"]] = Field(None, description="what each registered engine answered")
 
 
 class Deleted(BaseModel):
@@ -456,3 +462,31 @@ class BatchGroupsPage(BaseModel):
     accepted: int = 0
     dropped: int = 0
     in_flight: int = 0
+
+
+class EngineResult(BaseModel):
+    """One engine's answer to a control request of the service (pause, resume, update_weights)."""
+
+    backend_id: str
+    url: str
+    kind: str
+    ok: bool
+    error: Optional[str] = Field(None, description="why it failed (unreachable, HTTP status and body, no answer in time)")
+    seconds: float = 0.0
+
+
+class UpdateWeightsRequest(_Strict):
+    model_path: str = Field(min_length=1, description="a directory of weights (config.json + *.safetensors) that "
+                                                      "every engine of the model can read")
+    model: Optional[str] = Field(None, description="the pool to update; default: the only model served")
+    policy_version: Optional[int] = Field(None, ge=0, description="the version of these weights; default: current + 1")
+
+
+class UpdateWeightsResult(BaseModel):
+    model: str
+    model_path: str
+    policy_version: int = Field(description="the policy version now (unchanged if an engine failed)")
+    engines: list[EngineResult]
+
+
+PauseState.model_rebuild()

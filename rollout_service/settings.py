@@ -62,6 +62,8 @@ class Settings:
     cancel_check_s: float = 0.25  # a run worker looks for cancelled jobs among its in-flight LLM calls this often, and aborts them
     call_gate_lease_s: float = 1.5  # a green run worker starts later calls without a round trip each while its gate lease holds; 0: never
     pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
+    engine_control_timeout_s: float = 30.0  # an engine's answer to pause/resume (plus the pause's `wait`)
+    weight_update_timeout_s: float = 600.0  # an engine's answer to loading new weights from disk
     max_request_mb: int = 16  # a request body beyond this is a 413
     max_rollouts_per_request: int = 16384  # rollouts one POST may ask for (bulk: the sum of n; batch: groups x group_size)
     max_turns: int = 20

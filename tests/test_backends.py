@@ -579,3 +579,115 @@ def test_a_new_backend_is_healthy_only_if_it_answers_its_health_probe_at_registr
     finally:
         client.remove_backend(answering.id)
         client.remove_backend(silent.id)
+
+
+# the service as the control plane of its engines
+
+
+def test_weights_loaded_moves_the_version_and_a_resume_in_the_same_pause_keeps_it(pool: BackendPool) -> None:
+    assert pool.weights_loaded() == 1  # not paused: the version moves at once, the next resume bumps as usual
+    pool.pause(60)
+    assert pool.weights_loaded(5) == 5 and pool.paused()
+    assert pool.resume(lift=False) == 5 and pool.paused()  # versioned first, the engines resume, then lifted
+    assert pool.resume(5) == 5 and not pool.paused()
+    pool.pause(60)
+    assert pool.resume() == 6
+    with pytest.raises(ValidationError, match="below the current 6"):
+        pool.weights_loaded(2)
+    with pytest.raises(ValidationError, match="below the current 6"):
+        pool.check_version(2)
+
+
+def test_a_call_that_a_sync_spanned_records_the_version_it_ended_under(pool: BackendPool) -> None:
+    from rollout_service.schemas import FinishReason
+    from rollout_service.trajectory import TrajectoryBuilder
+
+    record = TrajectoryBuilder([1, 2], [])
+    assert pool.begin_call("frozen") == 0 and pool.begin_call("quick") == 0
+    record.add_generation([3], [-0.1], backend_id="b", policy_version=0, finish_reason="stop", latency_s=0.1,
+                          ended_under=pool.end_call("quick"))
+    pool.pause(60)  # keep mode: the engine holds "frozen" while the weights change
+    pool.weights_loaded(4)
+    pool.resume(4)
+    record.add_generation([4], [-0.2], backend_id="b", policy_version=0, finish_reason="stop", latency_s=2.0,
+                          ended_under=pool.end_call("frozen"))
+    turns = record.build(FinishReason.finished).turns
+    assert [(t.policy_version, t.resumed_under) for t in turns] == [(0, None), (0, 4)]
+    assert pool.inflight_calls() == 0
+
+
+def _is_paused(url: str) -> bool:
+    import httpx
+
+    return httpx.get(f"{url}/is_paused", timeout=5).json()["is_paused"]
+
+
+def test_pause_and_resume_reach_every_engine_and_report_each(service, client, scripted_server, tiny_tokenizer_dir):
+    from rollout_service.redis_server import free_port
+
+    urls = [scripted_server({"episodes": []}) for _ in range(2)]
+    backends = [client.add_backend(url, "reference", "controlled", tokenizer=str(tiny_tokenizer_dir)) for url in urls]
+    dead = client.add_backend(f"http://127.0.0.1:{free_port()}", "vllm", "controlled", tokenizer=str(tiny_tokenizer_dir))
+    try:
+        for mode in ("keep", "wait"):
+            paused = client.pause(mode=mode, ttl_s=60)
+            engines = {e["backend_id"]: e for e in paused["engines"]}
+            assert paused["paused"] and paused["mode"] == mode
+            assert all(engines[b.id]["ok"] for b in backends) and all(_is_paused(url) for url in urls)
+            assert not engines[dead.id]["ok"] and "/pause failed" in engines[dead.id]["error"]
+            resumed = client.resume()
+            assert not resumed["paused"] and not any(_is_paused(url) for url in urls)
+            assert all(e["ok"] for e in resumed["engines"] if e["backend_id"] != dead.id)
+        aborting = client.pause(mode="abort", ttl_s=60)  # the reference server cannot drop a generation
+        assert aborting["paused"]
+        assert all("not supported" in e["error"] for e in aborting["engines"] if e["backend_id"] != dead.id)
+        client.resume()
+        import httpx
+
+        bad = httpx.post(f"{service.url}/v1/backends/pause", params={"mode": "freeze"})
+        assert bad.status_code == 400 and "`mode`" in bad.json()["error"]["message"]
+    finally:
+        for backend in (*backends, dead):
+            client.remove_backend(backend.id)
+        client.resume()
+
+
+def test_update_weights_loads_every_engine_of_the_model_and_names_those_that_failed(
+        service, client, scripted_server, tiny_tokenizer_dir, tiny_model_dir, tmp_path):
+    import httpx
+
+    from rollout_service.errors import ApiError
+    from rollout_service.redis_server import free_port
+    from rollout_service.reference_server import ReferenceServerProcess
+
+    engine = ReferenceServerProcess(["--model", str(tiny_model_dir)], port=free_port(),
+                                    log_path=tmp_path / "engine.log").start()
+    loaded = client.add_backend(engine.url, "reference", "reloaded", tokenizer=str(tiny_model_dir))
+    try:
+        for path, problem in (("relative/dir", "absolute"), (str(tmp_path / "nowhere"), "not a directory"),
+                              (str(tmp_path), "no config.json")):
+            answer = httpx.post(f"{service.url}/v1/backends/update_weights",
+                                json={"model_path": path, "model": "reloaded"})
+            assert answer.status_code == 400 and "`model_path`" in answer.json()["error"]["message"]
+            assert problem in answer.json()["error"]["message"] and path in answer.json()["error"]["message"]
+        unknown = httpx.post(f"{service.url}/v1/backends/update_weights",
+                             json={"model_path": str(tiny_model_dir), "model": "no-such-pool"})
+        assert unknown.status_code == 400 and "no-such-pool" in unknown.json()["error"]["message"]
+        before = client.backends()[0].policy_version
+        done = client.update_weights(str(tiny_model_dir), model="reloaded")
+        assert done["policy_version"] == before + 1 and [e["ok"] for e in done["engines"]] == [True]
+        assert httpx.get(f"{engine.url}/health").json()["weights_version"] == 1
+        scripted = client.add_backend(scripted_server({"episodes": []}), "reference", "reloaded",
+                                      tokenizer=str(tiny_tokenizer_dir))
+        try:
+            with pytest.raises(ApiError) as failed:
+                client.update_weights(str(tiny_model_dir), model="reloaded", policy_version=before + 9)
+            assert failed.value.http_status == 502
+            assert scripted.url in str(failed.value) and "no weights to update" in str(failed.value)
+            assert engine.url not in str(failed.value).split("did not load")[1]
+            assert client.backends()[0].policy_version == before + 1
+        finally:
+            client.remove_backend(scripted.id)
+    finally:
+        client.remove_backend(loaded.id)
+        engine.stop()
