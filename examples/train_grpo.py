@@ -3,8 +3,9 @@
 Every rollout comes from the service: each step asks ``client.batch`` for K accepted groups of G
 rollouts with DAPO filtering (groups whose rewards are all equal are dropped), trains on the
 trajectories' token ids, the inference server's logprobs and the loss mask exactly as returned,
-and pushes the new weights to the inference backends the way SGLang trainers do:
-pause → ``POST /update_weights_from_disk`` → resume(policy_version=step).
+and pushes the new weights through the service, which needs no engine URL from the trainer:
+pause → ``POST /v1/backends/update_weights`` (every engine of the model loads the saved directory)
+→ resume(policy_version=step).
 
     python examples/train_grpo.py                        # a local service + a SmolLM2 backend
     python examples/train_grpo.py --url http://127.0.0.1:8006   # a running `ROLLOUT_REFERENCE_MODEL=smollm2 make up`
@@ -28,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import httpx
 import torch
 
 from rollout_service.client import RolloutClient
@@ -95,18 +95,13 @@ def grpo_step(model: Any, optimizer: Any, groups: list[BatchGroup], clip_low: fl
 
 
 def push_weights(client: RolloutClient, model: Any, model_name: str, out_dir: Path, step: int) -> Path:
-    """Save, then pause → every backend of ``model_name`` loads from disk → resume(policy_version).
+    """Save, then pause → every engine of ``model_name`` loads from disk → resume(policy_version).
     ``out_dir`` must be readable by the inference servers (same machine or a shared filesystem)."""
-    directory = out_dir / f"step-{step}"
+    directory = (out_dir / f"step-{step}").resolve()
     model.save_pretrained(directory)
     client.pause(wait_s=60)
     try:
-        for backend in client.backends():
-            if backend.model == model_name and backend.kind in ("reference", "sglang"):
-                answer = httpx.post(f"{backend.url}/update_weights_from_disk",
-                                    json={"model_path": str(directory)}, timeout=300).json()
-                if not answer.get("success"):
-                    raise RuntimeError(f"{backend.url} did not load {directory}: {answer}")
+        client.update_weights(str(directory), model=model_name, policy_version=step)
     finally:
         client.resume(policy_version=step)
     return directory
