@@ -17,6 +17,7 @@ ERROR_STATUSES = {
     413: "the body is over ROLLOUT_MAX_REQUEST_MB",
     415: "the body is neither application/json nor application/msgpack",
     500: "internal error (a bug: please report it with the message)",
+    502: "an inference engine failed: the message and `engines` name each one and why",
     503: "store_unavailable: Redis is unreachable or not answering; retry",
     504: "the operation did not finish in time",
 }
