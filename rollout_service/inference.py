@@ -1,12 +1,18 @@
 """Clients for the inference servers' own token APIs: token ids in, token ids + logprobs out.
 
-- vLLM: ``POST /v1/completions`` with ``prompt`` as a list of ids, ``logprobs: 0`` (the
-  sampled token's logprob), ``return_token_ids`` (vLLM >= 0.10.2: ``choices[0].token_ids``)
-  and ``return_tokens_as_token_ids`` (``"token_id:N"`` strings in ``logprobs.tokens``, the
-  fallback for older servers).
+- vLLM: ``POST /inference/v1/generate`` (vLLM's token-in/token-out route, served with
+  ``--enable-scale-out``): ``token_ids`` in, ``choices[0].token_ids`` and
+  ``choices[0].logprobs.content[i].logprob`` out (``logprobs: 0``, the sampled token's). A server
+  without it answers 404 (403 when started without ``--enable-scale-out``); from then on that URL
+  gets ``POST /v1/completions`` with ``prompt`` as a
+  list of ids, ``return_token_ids`` and ``return_tokens_as_token_ids`` (``"token_id:N"`` strings
+  in ``logprobs.tokens``, what older servers give). A process learns it once per URL: its first
+  call asks the token route, and calls made while that answer is pending use ``/v1/completions``,
+  so no call waits for the probe.
 - SGLang: ``POST /generate`` with ``input_ids`` and ``return_logprob``; ids and logprobs come
   from ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text]`` triples.
 
+Every sampling parameter is sent explicitly (a server's generation-config defaults never apply).
 Ids and logprobs are kept exactly as the server returned them. Connection failures are
 retried against the same server (``settings.llm_connect_retries``), then raised as
 ``BackendUnreachable`` so the caller can fail over; everything else a server does wrong is
@@ -108,10 +114,10 @@ def loads_answer(content: bytes) -> Any:
 
 
 # How vLLM ("This model's maximum context length is N tokens. However, ...", "... is too long and
-# exceeds limit of N"), SGLang ("The input (N tokens) is longer than the model's context length")
+# exceeds limit of N", "The decoder prompt (length N) is longer than the maximum model length of M"), SGLang ("The input (N tokens) is longer than the model's context length")
 # and OpenAI-compatible servers refuse a prompt that no longer fits.
 _CONTEXT_FULL = re.compile(r"maximum context length|context (length|window)|(prompt|input).{0,60}"
-                           r"(too long|exceeds)", re.IGNORECASE)
+                           r"(too long|exceeds|longer than the maximum)", re.IGNORECASE)
 
 
 def _server_message(content: bytes) -> str:
@@ -183,19 +189,20 @@ class _HTTPInferenceClient:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         started = time.monotonic()
-        payload = self._post(self.request_body(list(prompt_ids), sampling, max_new_tokens), timeout_s, abort)
+        body = self.request_body(list(prompt_ids), sampling, max_new_tokens)
+        payload = self._answer(self.path, *self._send(self.path, body, timeout_s, abort))
         token_ids, logprobs, finish_reason = self.parse_response(payload)
         return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
 
-    def _post(self, body: dict[str, Any], timeout_s: float, abort: Abort | None = None) -> Any:
-        endpoint = self.url + self.path
+    def _send(self, path: str, body: dict[str, Any], timeout_s: float,
+              abort: Abort | None = None) -> tuple[int, bytes]:
+        endpoint = self.url + path
         payload = dumps_body(body)
         attempts = 1 + max(0, self.connect_retries)
         connect_timeout_s = min(timeout_s, CONNECT_TIMEOUT_S)
         for attempt in range(attempts):
             try:
-                status, content = self.http.post_json(endpoint, payload, timeout_s, connect_timeout_s, abort)
-                break
+                return self.http.post_json(endpoint, payload, timeout_s, connect_timeout_s, abort)
             except ConnectFailed as exc:
                 if attempt + 1 == attempts:
                     raise BackendUnreachable(
@@ -210,29 +217,33 @@ class _HTTPInferenceClient:
                     "raise timeouts.llm_call_s (ROLLOUT_LLM_CALL_TIMEOUT_S) or lower "
                     "sampling.max_new_tokens"
                 ) from exc
+        raise AssertionError("unreachable")
+
+    def _answer(self, path: str, status: int, content: bytes) -> Any:
         if not 200 <= status < 300:
             hint = ""
             if status in (404, 405):
                 hint = (
-                    f" (is {self.url} really a {self.kind} server? vLLM serves /v1/completions, "
-                    "SGLang serves /generate: register the backend with the right kind)"
+                    f" (is {self.url} really a {self.kind} server? vLLM serves /v1/completions "
+                    "(and /inference/v1/generate with --enable-scale-out), SGLang serves /generate: "
+                    "register the backend with the right kind)"
                 )
             message = _server_message(content)
             rejected = ContextWindowExceeded if status in (400, 413) and _CONTEXT_FULL.search(message) \
                 else BackendRejected
             raise rejected(
                 f"the {self.kind} backend at {self.url} answered {status} to "
-                f"POST {self.path}: {message}{hint}",
+                f"POST {path}: {message}{hint}",
                 status=status,
             )
         try:
             return loads_answer(content)
         except ValueError as exc:
-            raise self._malformed(f"the body is not JSON: {content[:200]!r}") from exc
+            raise self._malformed(f"the body is not JSON: {content[:200]!r}", path) from exc
 
-    def _malformed(self, problem: str) -> BackendError:
+    def _malformed(self, problem: str, path: str | None = None) -> BackendError:
         return BackendError(
-            f"malformed answer from the {self.kind} backend at {self.url} to POST {self.path}: "
+            f"malformed answer from the {self.kind} backend at {self.url} to POST {path or self.path}: "
             f"{problem}"
         )
 
@@ -252,47 +263,127 @@ class _HTTPInferenceClient:
         return token_ids, logprobs, finish_reason
 
 
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+_NO_TOKEN_ROUTE = (403, 404, 405)  # 403: "Scale-out endpoints are disabled" (no --enable-scale-out)
+_PROBING, _GENERATE, _COMPLETIONS = "probing", "generate", "completions"
+_vllm_routes: dict[str, str] = {}  # url -> the route its calls take (_PROBING: its first call's answer is pending)
+
+
+def vllm_sampling(sampling: Sampling, max_new_tokens: int) -> dict[str, Any]:
+    """vLLM's sampling parameters for one call, the same on both routes."""
+    params: dict[str, Any] = {
+        "max_tokens": max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "min_tokens": min(sampling.min_tokens, max_new_tokens),
+        "ignore_eos": sampling.ignore_eos,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "logprobs": 0,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+    if sampling.logit_bias:
+        params["logit_bias"] = sampling.logit_bias
+    if sampling.seed is not None:
+        params["seed"] = sampling.seed
+    return params
+
+
 class VLLMClient(_HTTPInferenceClient):
     kind = "vllm"
-    path = "/v1/completions"
+    path = GENERATE_PATH
+    token_route = True  # ask /inference/v1/generate first
+
+    def generate(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+        abort: Abort | None = None,
+    ) -> Generation:
+        """``abort``: a handle that ends the request at once from elsewhere (``Aborted`` is raised)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        started = time.monotonic()
+        params = vllm_sampling(sampling, max_new_tokens)
+        route = _vllm_routes.get(self.url) if self.token_route else _COMPLETIONS
+        if route is None or route == _GENERATE:
+            if route is None:
+                _vllm_routes[self.url] = _PROBING
+            try:
+                status, content = self._send(GENERATE_PATH, self.generate_body(prompt_ids, params), timeout_s, abort)
+            except BaseException:
+                if route is None:
+                    _vllm_routes.pop(self.url, None)
+                raise
+            if status not in _NO_TOKEN_ROUTE or route == _GENERATE:
+                _vllm_routes[self.url] = _GENERATE
+                token_ids, logprobs, finish_reason = self.parse_generate(self._answer(GENERATE_PATH, status, content))
+                return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
+            _vllm_routes[self.url] = _COMPLETIONS
+        payload = self._answer(COMPLETIONS_PATH, *self._send(
+            COMPLETIONS_PATH, self.completions_body(prompt_ids, params), timeout_s, abort))
+        token_ids, logprobs, finish_reason = self.parse_response(payload)
+        return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
+
+    def generate_body(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        params["detokenize"] = False
+        return {"model": self.model, "token_ids": list(prompt_ids), "sampling_params": params, "stream": False}
+
+    def completions_body(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        params.pop("detokenize", None)
+        return {"model": self.model, "prompt": list(prompt_ids), **params, "return_token_ids": True,
+                "return_tokens_as_token_ids": True, "n": 1, "stream": False}
 
     def request_body(
         self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt_ids,
-            "max_tokens": max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "stop_token_ids": list(sampling.stop_token_ids),
-            "logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "spaces_between_special_tokens": False,
-            "n": 1,
-            "stream": False,
-        }
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        return body
+        """The ``/v1/completions`` body."""
+        return self.completions_body(prompt_ids, vllm_sampling(sampling, max_new_tokens))
 
-    def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
+    def parse_generate(self, payload: Any) -> tuple[list[int], list[float], str]:
         choices = payload.get("choices") if isinstance(payload, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise self._malformed("no choices[0]")
+            raise self._malformed("no choices[0]", GENERATE_PATH)
+        choice = choices[0]
+        token_ids = _int_list(choice.get("token_ids"))
+        if token_ids is None:
+            raise self._malformed("choices[0].token_ids is not a list of integers", GENERATE_PATH)
+        content = choice.get("logprobs").get("content") if isinstance(choice.get("logprobs"), dict) else None
+        if not isinstance(content, list):
+            raise self._malformed("choices[0].logprobs.content is missing; the server ignored "
+                                  "`sampling_params.logprobs: 0`", GENERATE_PATH)
+        try:
+            ids = [entry["token_id"] for entry in content]
+            logprobs = _float_list([entry["logprob"] for entry in content])
+        except (TypeError, KeyError):
+            raise self._malformed("choices[0].logprobs.content holds an entry without token_id and logprob",
+                                  GENERATE_PATH) from None
+        if logprobs is None:
+            raise self._malformed("choices[0].logprobs.content[].logprob is not a number", GENERATE_PATH)
+        if ids != token_ids:
+            raise self._malformed("choices[0].token_ids and the token ids of choices[0].logprobs.content "
+                                  "disagree", GENERATE_PATH)
+        return self._checked(token_ids, logprobs, choice.get("finish_reason"))
+
+    def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
+        """A ``/v1/completions`` answer."""
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._malformed("no choices[0]", COMPLETIONS_PATH)
         choice = choices[0]
         logprobs_block = choice.get("logprobs")
         if not isinstance(logprobs_block, dict):
             raise self._malformed(
                 "choices[0].logprobs is missing; the server ignored `logprobs: 0` "
-                "(is it really vLLM's OpenAI-compatible server?)"
+                "(is it really vLLM's OpenAI-compatible server?)", COMPLETIONS_PATH
             )
         logprobs = _float_list(logprobs_block.get("token_logprobs"))
         if logprobs is None:
-            raise self._malformed("choices[0].logprobs.token_logprobs is not a list of numbers")
+            raise self._malformed("choices[0].logprobs.token_logprobs is not a list of numbers", COMPLETIONS_PATH)
         tokens, token_ids = logprobs_block.get("tokens"), choice.get("token_ids")
         if _int_list(token_ids) is not None and isinstance(tokens, list) and \
                 tokens == [f"{TOKEN_ID_PREFIX}{i}" for i in token_ids]:  # both given and agreeing: the common case
@@ -303,14 +394,15 @@ class VLLMClient(_HTTPInferenceClient):
                 raise self._malformed(
                     "neither choices[0].token_ids nor 'token_id:N' strings in "
                     "choices[0].logprobs.tokens; use vLLM >= 0.10.2 (return_token_ids) or a "
-                    "version that supports return_tokens_as_token_ids"
+                    "version that supports return_tokens_as_token_ids", COMPLETIONS_PATH
                 )
             token_ids = ids_from_tokens
         elif _int_list(token_ids) is None:
-            raise self._malformed("choices[0].token_ids is not a list of integers")
+            raise self._malformed("choices[0].token_ids is not a list of integers", COMPLETIONS_PATH)
         elif ids_from_tokens is not None and ids_from_tokens != token_ids:
             raise self._malformed(
-                "choices[0].token_ids and the 'token_id:N' strings of choices[0].logprobs.tokens disagree"
+                "choices[0].token_ids and the 'token_id:N' strings of choices[0].logprobs.tokens disagree",
+                COMPLETIONS_PATH
             )
         return self._checked(list(token_ids), logprobs, choice.get("finish_reason"))
 
@@ -341,10 +433,18 @@ class SGLangClient(_HTTPInferenceClient):
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "repetition_penalty": sampling.repetition_penalty,
+            "min_new_tokens": min(sampling.min_tokens, max_new_tokens),
+            "ignore_eos": sampling.ignore_eos,
             "stop_token_ids": list(sampling.stop_token_ids),
             "skip_special_tokens": False,
             "spaces_between_special_tokens": False,
         }
+        if sampling.logit_bias:
+            params["logit_bias"] = sampling.logit_bias
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
         return {
@@ -384,10 +484,16 @@ class SGLangClient(_HTTPInferenceClient):
         return self._checked(token_ids, logprobs, finish_type)
 
 
+class ReferenceClient(VLLMClient):
+    """The reference server speaks vLLM's ``/v1/completions`` (and SGLang's ``/generate``)."""
+
+    token_route = False
+
+
 CLIENTS: dict[str, type[_HTTPInferenceClient]] = {
     "vllm": VLLMClient,
     "sglang": SGLangClient,
-    "reference": VLLMClient,
+    "reference": ReferenceClient,
 }
 
 

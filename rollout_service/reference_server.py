@@ -8,10 +8,13 @@ received and returned, most recent last).
 Two engines:
 
 - ``--model PATH|tiny|smollm2``: a Hugging Face causal LM on CPU; concurrent requests are
-  generated together as one padded batch (see ``ModelEngine``). Sampling honours temperature
-  (greedy at 0), top_k, top_p and seed; each logprob is the log-softmax of the raw logits at
-  that position (vLLM's default "raw" logprobs, before temperature and filtering); generation
-  stops at an eos or stop token, which is included in the output.
+  generated together as one padded batch (see ``ModelEngine``). Sampling honours every
+  parameter the service forwards, as vLLM applies them: logit_bias and min_tokens (no eos or
+  stop token before it), then repetition_penalty (over prompt and output), presence_penalty and
+  frequency_penalty (output), temperature (greedy at 0), top_k, top_p, min_p, and seed; each
+  logprob is the log-softmax of the raw logits at that position (vLLM's default "raw" logprobs,
+  before penalties, temperature and filtering); generation stops at an eos or stop token, which
+  is included in the output. Out-of-bounds values are a 400 naming the parameter.
 - ``--script FILE --tokenizer PATH``: replays scripted assistant turns, statelessly::
 
       {"episodes": [{"match": "<substring of the decoded prompt>",
@@ -20,7 +23,9 @@ Two engines:
   The episode is the first whose ``match`` occurs in the decoded prompt; the turn is the
   number of assistant turns already completed in the prompt. The turn text is tokenized
   with the tokenizer and followed by the end-of-turn token; logprobs are
-  ``scripted_logprob(position, token_id)``.
+  ``scripted_logprob(position, token_id)``. A replay samples nothing: of the sampling
+  parameters only max_tokens, stop_token_ids and ignore_eos apply (the others are checked and
+  ignored).
 
   An episode may give ``"rotate": [[turns of variant 0], [turns of variant 1], ...]`` instead
   of ``"turns"``: each new rollout of that prompt (a request with no assistant turn yet)
@@ -116,6 +121,12 @@ class GenerateParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     top_logprobs: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 class Completion(NamedTuple):
@@ -266,6 +277,7 @@ class _Row:
     def __init__(self, torch: Any, prompt_ids: list[int], params: GenerateParams, max_tokens: int,
                  stops: set[int]) -> None:
         self.params = params
+        self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.stops = stops
         self.generator = torch.Generator().manual_seed(
@@ -279,7 +291,7 @@ class _Row:
     def take(self, torch: Any, logits: Any) -> bool:
         """Sample the next token from ``logits``; True when the row is finished."""
         log_softmax = torch.log_softmax(logits, dim=-1)
-        token = _sample(torch, logits, self.params, self.generator)
+        token = _sample(torch, self.processed(torch, logits), self.params, self.generator)
         self.ids.append(token)
         self.logprobs.append(float(log_softmax[token]))
         top = {token: self.logprobs[-1]}
@@ -292,6 +304,29 @@ class _Row:
             self.stop_token = token if token in self.params.stop_token_ids else None
             return True
         return len(self.ids) >= self.max_tokens
+
+    def processed(self, torch: Any, logits: Any) -> Any:
+        """The logits after logit_bias, min_tokens and the penalties (before temperature)."""
+        params = self.params
+        if not (params.logit_bias or len(self.ids) < params.min_tokens or params.repetition_penalty != 1.0
+                or params.presence_penalty or params.frequency_penalty):
+            return logits
+        logits = logits.clone()
+        vocabulary = logits.numel()
+        for token, bias in params.logit_bias.items():
+            if token < vocabulary:
+                logits[token] += bias
+        if len(self.ids) < params.min_tokens:
+            logits[[t for t in self.stops if t < vocabulary]] = -math.inf
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({t for t in (*self.prompt_ids, *self.ids) if t < vocabulary}), dtype=torch.long)
+            values = logits[seen]
+            logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                       values * params.repetition_penalty)
+        if self.ids and (params.presence_penalty or params.frequency_penalty):
+            counts = torch.bincount(torch.tensor(self.ids), minlength=vocabulary)[:vocabulary].to(logits.dtype)
+            logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        return logits
 
     def completion(self) -> Completion:
         return Completion(self.ids, self.logprobs, self.finish, self.stop_token, self.tops)
@@ -481,6 +516,8 @@ def _sample(torch: Any, logits: Any, params: GenerateParams, generator: Any) -> 
         sorted_scores = sorted_scores.masked_fill(outside, -math.inf)
         scores = torch.full_like(scores, -math.inf).scatter(0, order, sorted_scores)
     probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -531,7 +568,38 @@ def _token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
-def _params(body: dict[str, Any], max_tokens: int, seed_key: str) -> GenerateParams:
+_BOUNDS: dict[str, tuple[float, float, bool, str]] = {  # low, high, low excluded, as written (vLLM's and SGLang's)
+    "min_p": (0.0, 1.0, False, "[0, 1]"),
+    "presence_penalty": (-2.0, 2.0, False, "[-2, 2]"),
+    "frequency_penalty": (-2.0, 2.0, False, "[-2, 2]"),
+    "repetition_penalty": (0.0, 2.0, True, "(0, 2]"),
+}
+
+
+def _bounded(body: dict[str, Any], name: str, default: float) -> float:
+    value = _field(body, name, float, default)
+    low, high, low_excluded, written = _BOUNDS[name]
+    if not (low < value if low_excluded else low <= value) or value > high:
+        raise RequestError(f"{name!r} must be in {written}, got {value}")
+    return value
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(f"'logit_bias' must be an object of token id -> bias, got {value!r}")
+    biases = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise RequestError(f"'logit_bias' keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise RequestError(f"'logit_bias' values must be numbers, got {bias!r} for token {key}")
+        biases[int(key)] = min(100.0, max(-100.0, float(bias)))  # vLLM clamps to [-100, 100]
+    return biases
+
+
+def _params(body: dict[str, Any], max_tokens: int, seed_key: str, min_tokens_key: str) -> GenerateParams:
     params = GenerateParams(
         max_tokens=max_tokens,
         temperature=_field(body, "temperature", float, 1.0),
@@ -540,11 +608,20 @@ def _params(body: dict[str, Any], max_tokens: int, seed_key: str) -> GeneratePar
         seed=_field(body, seed_key, int, None),
         stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
         ignore_eos=_field(body, "ignore_eos", bool, False),
+        min_p=_bounded(body, "min_p", 0.0),
+        presence_penalty=_bounded(body, "presence_penalty", 0.0),
+        frequency_penalty=_bounded(body, "frequency_penalty", 0.0),
+        repetition_penalty=_bounded(body, "repetition_penalty", 1.0),
+        min_tokens=_field(body, min_tokens_key, int, 0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
     if params.max_tokens < 1:
         raise RequestError(f"the maximum number of new tokens must be >= 1, got {params.max_tokens}")
     if params.temperature < 0 or not 0 < params.top_p <= 1:
         raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise RequestError(f"{min_tokens_key!r} must be in [0, {params.max_tokens}] (the maximum number of new "
+                           f"tokens), got {params.min_tokens}")
     return params
 
 
@@ -661,7 +738,7 @@ def create_app(
         if _field(body, "n", int, 1) != 1:
             raise RequestError("only n=1 is supported by the reference server")
         prompt_ids = prompt_from(body, "prompt", "prompt")
-        params = _params(body, _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS_VLLM), "seed")
+        params = _params(body, _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS_VLLM), "seed", "min_tokens")
         logprobs_k = _field(body, "logprobs", int, None)
         params.top_logprobs = logprobs_k or 0
         completion = run("vllm", prompt_ids, params)
@@ -726,6 +803,7 @@ def create_app(
             sampling,
             _field(sampling, "max_new_tokens", int, DEFAULT_MAX_TOKENS_SGLANG),
             "sampling_seed",
+            "min_new_tokens",
         )
         started = time.monotonic()
         completion = run("sglang", prompt_ids, params)

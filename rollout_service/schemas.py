@@ -8,7 +8,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class JobStatus(str, Enum):
@@ -64,15 +65,71 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps a bias to [-100, 100]
+_SAMPLING_BOUNDS: dict[str, tuple[float, float, bool, str]] = {  # low, high, low excluded, as written
+    "min_p": (0.0, 1.0, False, "[0, 1]"),
+    "presence_penalty": (-2.0, 2.0, False, "[-2, 2]"),
+    "frequency_penalty": (-2.0, 2.0, False, "[-2, 2]"),
+    "repetition_penalty": (0.0, 2.0, True, "(0, 2]"),
+}
+
+
 class Sampling(_Strict):
+    """What every LLM call of the job samples with: the parameters vLLM and SGLang share, each
+    forwarded unchanged (SGLang's names: ``min_new_tokens``, ``sampling_seed``), with their bounds."""
+
     model: Optional[str] = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, description="in [0, 1]: drop tokens less likely than min_p x the likeliest")
+    presence_penalty: float = Field(0.0, description="in [-2, 2]")
+    frequency_penalty: float = Field(0.0, description="in [-2, 2]")
+    repetition_penalty: float = Field(1.0, description="in (0, 2]; 1 is none")
     max_new_tokens: Optional[int] = Field(None, gt=0, description="per LLM call")
+    min_tokens: int = Field(0, ge=0, description="per LLM call: no eos or stop token before this many "
+                                                  "(capped by what the call may generate)")
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] = Field(default_factory=dict, description=(
+        f"token id -> bias added to its logit, in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"))
     max_model_len: Optional[int] = Field(None, gt=0, description="context limit in tokens")
     seed: Optional[int] = None
     stop_token_ids: list[int] = Field(default_factory=list)
+
+    @field_validator(*_SAMPLING_BOUNDS)
+    @classmethod
+    def _within_bounds(cls, value: float, info: ValidationInfo) -> float:
+        low, high, low_excluded, written = _SAMPLING_BOUNDS[info.field_name]
+        if not (low < value if low_excluded else low <= value) or value > high:
+            raise PydanticCustomError("sampling_bound", "must be in {bound}, got {value}",
+                                      {"bound": written, "value": value})
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        biases = {}
+        for key, bias in value.items():
+            if type(key) is int and key >= 0:
+                biases[str(key)] = bias
+            elif isinstance(key, str) and key.isascii() and key.isdigit():
+                biases[str(int(key))] = bias
+            else:
+                raise PydanticCustomError("token_id", "keys must be token ids (integers >= 0), got {key}",
+                                          {"key": repr(key)})
+        return biases
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_bounds(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, bias in value.items():
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise PydanticCustomError(
+                    "sampling_bound", "the bias of token {key} must be in [-{limit}, {limit}], got {bias}",
+                    {"key": key, "limit": f"{LOGIT_BIAS_LIMIT:g}", "bias": bias})
+        return value
 
 
 class HarnessConfig(_Strict):

@@ -15,7 +15,8 @@ import pytest
 from rollout_service.errors import (BackendError, BackendRejected, BackendTimeout, BackendUnreachable,
                                     ContextWindowExceeded, UnknownName)
 from rollout_service.http_pool import Abort, Aborted
-from rollout_service.inference import SGLangClient, VLLMClient, make_client
+from rollout_service import inference
+from rollout_service.inference import COMPLETIONS_PATH, GENERATE_PATH, ReferenceClient, SGLangClient, VLLMClient, make_client
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess, scripted_logprob
 from rollout_service.schemas import Sampling
@@ -28,6 +29,12 @@ SCRIPT = {"episodes": [
     {"match": "What is 2 + 2?", "turns": ["Let me compute.\n" + CALL, "It is \\boxed{4}."]},
     {"match": "What is 3 + 3?", "turns": [{"text": "Six.", "delay_s": 0.3}]},
 ]}
+
+
+@pytest.fixture(autouse=True)
+def forget_vllm_routes() -> None:
+    """Each test learns the routes of its servers afresh (the mock's URL is the same in every test)."""
+    inference._vllm_routes.clear()
 
 
 @pytest.fixture
@@ -210,7 +217,36 @@ def vllm_payload(choice: dict) -> dict:
         {"index": 0, "text": "", "finish_reason": "stop", **choice}]}
 
 
-def test_the_vllm_client_asks_for_token_ids_and_sampled_logprobs_and_keeps_special_tokens():
+SAMPLING = dict(temperature=0.7, top_p=0.9, top_k=20, seed=7, stop_token_ids=[9], min_p=0.05, presence_penalty=0.5,
+                frequency_penalty=-0.25, repetition_penalty=1.1, min_tokens=4, ignore_eos=True, logit_bias={"42": 3.5})
+VLLM_SAMPLING = {"max_tokens": 32, **{k: v for k, v in SAMPLING.items()}, "logprobs": 0, "skip_special_tokens": False,
+                 "spaces_between_special_tokens": False}
+
+
+def generate_payload(token_ids: list[int], logprobs: list[float], finish_reason: str = "stop") -> dict:
+    return {"request_id": "generate-tokens-1", "choices": [{
+        "index": 0, "finish_reason": finish_reason, "token_ids": token_ids,
+        "logprobs": {"content": [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}
+                                 for t, lp in zip(token_ids, logprobs)]}}]}
+
+
+def test_the_vllm_client_sends_ids_and_every_sampling_parameter_to_the_token_route():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=generate_payload([5, 2], [-0.5, -0.25]))
+
+    generation = mock_client(VLLMClient, handler).generate([1, 2, 3], Sampling(**SAMPLING), 32, 5)
+    assert (generation.token_ids, generation.logprobs, generation.finish_reason) == ([5, 2], [-0.5, -0.25], "stop")
+    request, = seen
+    assert request.url.path == GENERATE_PATH
+    body = json.loads(request.content)
+    assert body == {"model": "tiny", "token_ids": [1, 2, 3], "stream": False,
+                    "sampling_params": {**VLLM_SAMPLING, "detokenize": False}}
+
+
+def test_the_completions_route_gets_the_same_sampling_parameters_with_token_id_strings_asked():
     seen = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -218,18 +254,113 @@ def test_the_vllm_client_asks_for_token_ids_and_sampled_logprobs_and_keeps_speci
         return httpx.Response(200, json=vllm_payload(
             {"token_ids": [5, 2], "logprobs": {"token_logprobs": [-0.5, -0.25], "tokens": ["token_id:5", "token_id:2"]}}))
 
-    client = mock_client(VLLMClient, handler)
-    client.generate([1, 2, 3], Sampling(temperature=0.7, top_p=0.9, top_k=20, seed=7, stop_token_ids=[9]), 32, 5)
+    mock_client(ReferenceClient, handler).generate([1, 2, 3], Sampling(**SAMPLING), 32, 5)
     request, = seen
-    assert request.url.path == "/v1/completions"
-    assert_has(json.loads(request.content), {
-        "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-        "seed": 7, "stop_token_ids": [9], "logprobs": 0, "return_token_ids": True,
-        "return_tokens_as_token_ids": True, "skip_special_tokens": False})
+    assert request.url.path == COMPLETIONS_PATH
+    assert json.loads(request.content) == {"model": "tiny", "prompt": [1, 2, 3], **VLLM_SAMPLING, "n": 1,
+                                           "return_token_ids": True, "return_tokens_as_token_ids": True,
+                                           "stream": False}
+
+
+def test_min_tokens_is_capped_by_what_the_call_may_generate_and_defaults_are_sent_explicitly():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=generate_payload([5], [-0.5], "length"))
+
+    client = mock_client(VLLMClient, handler)
+    client.generate([1], Sampling(min_tokens=10), 3, 5)
+    client.generate([1], Sampling(), 3, 5)
+    assert seen[0]["sampling_params"]["min_tokens"] == 3
+    assert_has(seen[1]["sampling_params"], {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                            "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False})
+    assert "logit_bias" not in seen[1]["sampling_params"] and "seed" not in seen[1]["sampling_params"]
+
+
+def test_a_server_without_the_token_route_is_asked_once_then_served_by_completions():
+    paths = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == GENERATE_PATH:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, json=vllm_payload(
+            {"token_ids": [7], "logprobs": {"token_logprobs": [-0.5], "tokens": ["token_id:7"]}}))
+
+    first = mock_client(VLLMClient, handler).generate([1], Sampling(), 8, 5)
+    again = mock_client(VLLMClient, handler).generate([1], Sampling(), 8, 5)  # another client of the same URL
+    assert first.token_ids == again.token_ids == [7]
+    assert paths == [GENERATE_PATH, COMPLETIONS_PATH, COMPLETIONS_PATH]
+
+
+def test_calls_made_while_the_first_answer_is_pending_take_completions_and_later_ones_the_token_route():
+    paths, release = [], threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if request.url.path == GENERATE_PATH:
+            if len(paths) == 1:
+                release.wait(5)
+            return httpx.Response(200, json=generate_payload([8], [-0.125]))
+        return httpx.Response(200, json=vllm_payload(
+            {"token_ids": [8], "logprobs": {"token_logprobs": [-0.125], "tokens": ["token_id:8"]}}))
+
+    client = mock_client(VLLMClient, handler)
+    with ThreadPoolExecutor(1) as pool:
+        probe = pool.submit(client.generate, [1], Sampling(), 8, 5)
+        while not paths:
+            time.sleep(0.01)
+        meanwhile = client.generate([1], Sampling(), 8, 5)
+        release.set()
+        assert probe.result().token_ids == meanwhile.token_ids == [8]
+    client.generate([1], Sampling(), 8, 5)
+    assert paths == [GENERATE_PATH, COMPLETIONS_PATH, GENERATE_PATH]
+
+
+def test_a_first_call_that_fails_leaves_the_route_to_be_learned_by_the_next():
+    paths = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        if len(paths) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json=generate_payload([8], [-0.125]))
+
+    client = mock_client(VLLMClient, handler)
+    with pytest.raises(BackendUnreachable):
+        client.generate([1], Sampling(), 8, 5)
+    assert client.generate([1], Sampling(), 8, 5).token_ids == [8]
+    assert paths == [GENERATE_PATH, GENERATE_PATH]
+
+
+def test_a_404_of_the_token_route_once_it_is_known_is_the_servers_answer_not_a_fallback():
+    answers = iter([httpx.Response(200, json=generate_payload([8], [-0.125])),
+                    httpx.Response(404, json={"error": {"message": "The model `tiny` does not exist.", "code": 404}})])
+    client = mock_client(VLLMClient, lambda r: next(answers))
+    client.generate([1], Sampling(), 8, 5)
+    with pytest.raises(BackendRejected, match="answered 404 to POST /inference/v1/generate: The model `tiny` does not"):
+        client.generate([1], Sampling(), 8, 5)
+
+
+@pytest.mark.parametrize("choice, problem", [
+    ({"token_ids": ["1"], "logprobs": {"content": []}}, "token_ids is not a list of integers"),
+    ({"token_ids": [1]}, "logprobs.content is missing"),
+    ({"token_ids": [1], "logprobs": {"content": [{"token_id": 1}]}}, "without token_id and logprob"),
+    ({"token_ids": [1], "logprobs": {"content": [{"token_id": 1, "logprob": "x"}]}}, "logprob is not a number"),
+    ({"token_ids": [1], "logprobs": {"content": [{"token_id": 2, "logprob": -1.0}]}}, "disagree"),
+    ({"token_ids": [1, 2], "logprobs": {"content": [{"token_id": 1, "logprob": -1.0}]}}, "disagree"),
+    ({"token_ids": [1], "finish_reason": "abort", "logprobs": {"content": [{"token_id": 1, "logprob": -1.0}]}},
+     "finish reason 'abort'"),
+])
+def test_malformed_token_route_answers_are_backend_errors(choice, problem):
+    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json={"choices": [{"index": 0, **choice}]}))
+    with pytest.raises(BackendError, match=problem):
+        client.generate([1], Sampling(), 8, 5)
 
 
 def test_ids_and_logprobs_that_agree_come_back_as_sent_with_integer_logprobs_as_floats():
-    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
+    client = mock_client(ReferenceClient, lambda r: httpx.Response(200, json=vllm_payload(
         {"token_ids": [11, 2], "logprobs": {"token_logprobs": [-1.5, 0], "tokens": ["token_id:11", "token_id:2"]}})))
     generation = client.generate([1], Sampling(), 8, 5)
     assert generation.token_ids == [11, 2] and generation.logprobs == [-1.5, 0.0]
@@ -237,14 +368,14 @@ def test_ids_and_logprobs_that_agree_come_back_as_sent_with_integer_logprobs_as_
 
 
 def test_the_vllm_client_reads_ids_from_token_ids_when_present():
-    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
+    client = mock_client(ReferenceClient, lambda r: httpx.Response(200, json=vllm_payload(
         {"token_ids": [11, 2], "logprobs": {"token_logprobs": [-1.5, -0.125], "tokens": ["a", "b"]}})))
     generation = client.generate([1], Sampling(), 8, 5)
     assert generation.token_ids == [11, 2] and generation.logprobs == [-1.5, -0.125]
 
 
 def test_the_vllm_client_reads_ids_from_token_id_strings_of_older_servers():
-    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(
+    client = mock_client(ReferenceClient, lambda r: httpx.Response(200, json=vllm_payload(
         {"finish_reason": "length", "logprobs": {"token_logprobs": [-1.5, -0.1234567890123],
                                                  "tokens": ["token_id:11", "token_id:700"]}})))
     generation = client.generate([1], Sampling(), 2, 5)
@@ -262,7 +393,7 @@ def test_the_vllm_client_reads_ids_from_token_id_strings_of_older_servers():
     ({"token_ids": [1], "finish_reason": "abort", "logprobs": {"token_logprobs": [-1.0]}}, "finish reason 'abort'"),
 ])
 def test_malformed_vllm_answers_are_backend_errors(choice, problem):
-    client = mock_client(VLLMClient, lambda r: httpx.Response(200, json=vllm_payload(choice)))
+    client = mock_client(ReferenceClient, lambda r: httpx.Response(200, json=vllm_payload(choice)))
     with pytest.raises(BackendError, match=problem):
         client.generate([1], Sampling(), 8, 5)
 
@@ -307,7 +438,7 @@ def test_connection_errors_are_retried_against_the_same_server_then_raised():
                         connect_retries=2)
     with pytest.raises(BackendUnreachable):
         client.generate([1], Sampling(), 8, 5)
-    assert attempts == ["http://mock/v1/completions"] * 3
+    assert attempts == ["http://mock/inference/v1/generate"] * 3
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -320,7 +451,8 @@ def test_a_refused_connection_fails_quickly_with_an_error_naming_the_url(kind):
 
 
 def test_make_client_knows_vllm_sglang_and_the_reference_server():
-    assert isinstance(make_client("reference", "http://x/", "m"), VLLMClient)
+    assert isinstance(make_client("reference", "http://x/", "m"), ReferenceClient)
+    assert type(make_client("vllm", "http://x/", "m")) is VLLMClient
     assert isinstance(make_client("sglang", "http://x", "m"), SGLangClient)
     assert make_client("vllm", "http://x/", "m").url == "http://x"
     with pytest.raises(UnknownName, match="valid: reference, sglang, vllm"):
