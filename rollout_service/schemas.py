@@ -102,7 +102,7 @@ class Sampling(_Strict):
         low, high, low_excluded, written = _SAMPLING_BOUNDS[info.field_name]
         if not (low < value if low_excluded else low <= value) or value > high:
             raise PydanticCustomError("sampling_bound", "must be in {bound}, got {value}",
-                                      {"bound": written, "value": value})
+                                      {"bound": written, "value": f"{value:g}"})
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -128,7 +128,7 @@ class Sampling(_Strict):
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise PydanticCustomError(
                     "sampling_bound", "the bias of token {key} must be in [-{limit}, {limit}], got {bias}",
-                    {"key": key, "limit": f"{LOGIT_BIAS_LIMIT:g}", "bias": bias})
+                    {"key": key, "limit": f"{LOGIT_BIAS_LIMIT:g}", "bias": f"{bias:g}"})
         return value
 
 

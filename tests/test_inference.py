@@ -415,6 +415,54 @@ def test_the_sglang_client_sends_input_ids_and_reads_the_logprob_triples():
                                          "stop_token_ids": [9], "skip_special_tokens": False, "sampling_seed": 3})
 
 
+def test_the_sglang_client_forwards_every_sampling_parameter_under_sglangs_names():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content)["sampling_params"])
+        return httpx.Response(200, json={"meta_info": {"finish_reason": {"type": "length"},
+                                                       "output_token_logprobs": [[-0.5, 4, None]]}})
+
+    mock_client(SGLangClient, handler).generate([1, 2], Sampling(**SAMPLING), 32, 5)
+    params, = seen
+    assert params == {"max_new_tokens": 32, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                      "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.1,
+                      "min_new_tokens": 4, "ignore_eos": True, "stop_token_ids": [9], "logit_bias": {"42": 3.5},
+                      "skip_special_tokens": False, "spaces_between_special_tokens": False, "sampling_seed": 7}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("min_p", 1.5, "sampling.min_p: must be in [0, 1], got 1.5"),
+    ("min_p", -0.1, "sampling.min_p: must be in [0, 1], got -0.1"),
+    ("presence_penalty", 2.5, "sampling.presence_penalty: must be in [-2, 2], got 2.5"),
+    ("frequency_penalty", -3, "sampling.frequency_penalty: must be in [-2, 2], got -3"),
+    ("repetition_penalty", 0, "sampling.repetition_penalty: must be in (0, 2], got 0"),
+    ("repetition_penalty", 2.5, "sampling.repetition_penalty: must be in (0, 2], got 2.5"),
+    ("min_tokens", -1, "sampling.min_tokens: Input should be greater than or equal to 0"),
+    ("min_tokens", 1.5, "sampling.min_tokens: Input should be a valid integer"),
+    ("ignore_eos", 1, "sampling.ignore_eos: Input should be a valid boolean"),
+    ("logit_bias", {"12": 101}, "sampling.logit_bias: the bias of token 12 must be in [-100, 100], got 101"),
+    ("logit_bias", {"a": 1}, "sampling.logit_bias: keys must be token ids (integers >= 0), got 'a'"),
+    ("logit_bias", {"-3": 1}, "sampling.logit_bias: keys must be token ids (integers >= 0), got '-3'"),
+    ("logit_bias", [1], "sampling.logit_bias: Input should be a valid dictionary"),
+])
+def test_sampling_parameters_out_of_their_bounds_are_a_400_naming_the_field_and_the_bound(field, value, message):
+    from pydantic import ValidationError
+
+    from rollout_service.api.common import validation_message
+    from rollout_service.schemas import JobRequest
+
+    with pytest.raises(ValidationError) as caught:
+        JobRequest.model_validate({"task": {"domain": "math"}, "sampling": {field: value}})
+    assert validation_message(caught.value) == message
+
+
+def test_logit_bias_keys_are_token_ids_as_strings_as_json_carries_them():
+    assert Sampling(logit_bias={5: 1, "007": -2.5}).logit_bias == {"5": 1.0, "7": -2.5}
+    assert Sampling.model_validate_json('{"logit_bias": {"5": 100}, "min_tokens": 3, "ignore_eos": true}').logit_bias \
+        == {"5": 100.0}
+
+
 def test_a_non_json_answer_is_a_backend_error():
     client = mock_client(SGLangClient, lambda r: httpx.Response(200, text="<html>oops</html>"))
     with pytest.raises(BackendError, match="not JSON"):
@@ -518,6 +566,43 @@ def test_generation_stops_at_a_stop_token_and_includes_it(model_server, model_pr
     assert stopped.token_ids == greedy[:stop_at + 1] and stopped.finish_reason == "stop"
 
 
+def test_the_model_server_honours_logit_bias_min_tokens_and_ignore_eos_with_raw_logprobs(
+        model_server, model_prompt, tiny_lm):
+    greedy = generate("vllm", model_server, model_prompt, max_new_tokens=6, temperature=0.0).token_ids
+    favourite = next(t for t in range(5, 500) if t not in greedy)
+    biased = generate("vllm", model_server, model_prompt, max_new_tokens=6, temperature=1.0,
+                      logit_bias={str(favourite): 100.0}, ignore_eos=True)
+    assert biased.token_ids == [favourite] * 6 and biased.finish_reason == "length"
+    assert biased.logprobs == pytest.approx(independent_logprobs(tiny_lm, model_prompt, biased.token_ids), abs=1e-4)
+    held = generate("sglang", model_server, model_prompt, max_new_tokens=12, temperature=1.0,
+                    logit_bias={str(favourite): 100.0}, stop_token_ids=[favourite], min_tokens=5)
+    assert favourite not in held.token_ids[:5] and held.token_ids[5] == favourite and len(held.token_ids) == 6
+
+
+def test_penalties_and_min_p_change_what_the_model_server_samples(model_server, model_prompt):
+    plain = generate("vllm", model_server, model_prompt, max_new_tokens=16, temperature=0.0)
+    penalised = generate("vllm", model_server, model_prompt, max_new_tokens=16, temperature=0.0,
+                         repetition_penalty=2.0, presence_penalty=2.0, frequency_penalty=2.0)
+    assert penalised.token_ids != plain.token_ids
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+    only_greedy = [generate("vllm", model_server, model_prompt, max_new_tokens=4, temperature=1.0, min_p=1.0,
+                            seed=seed).token_ids for seed in (1, 2)]
+    assert only_greedy == [plain.token_ids[:4]] * 2
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("min_p", 1.5, "'min_p' must be in [0, 1], got 1.5"),
+    ("repetition_penalty", 0, "'repetition_penalty' must be in (0, 2], got 0.0"),
+    ("presence_penalty", -2.5, "'presence_penalty' must be in [-2, 2], got -2.5"),
+    ("min_tokens", 9, "'min_tokens' must be in [0, 8]"),
+    ("logit_bias", {"x": 1}, "'logit_bias' keys must be token ids, got 'x'"),
+])
+def test_the_reference_server_refuses_sampling_out_of_bounds_naming_the_parameter(model_server, model_prompt,
+                                                                                  field, value, message):
+    answer = httpx.post(f"{model_server}/v1/completions", json={"prompt": model_prompt, "max_tokens": 8, field: value})
+    assert answer.status_code == 400 and message in answer.json()["error"]["message"]
+
+
 def test_the_model_server_lists_its_model_and_context_length(model_server, tiny_model_dir):
     model, = httpx.get(f"{model_server}/v1/models").json()["data"]
     assert model["id"] == str(tiny_model_dir) and model["max_model_len"] == 8192
@@ -529,6 +614,8 @@ def test_the_model_server_lists_its_model_and_context_length(model_server, tiny_
           "(4000 in the messages, 1000 in the completion).", True),  # vLLM
     (400, "The input (9000 tokens) is longer than the model's context length (8192 tokens).", True),  # SGLang
     (400, "Input prompt (9000 tokens) is too long and exceeds limit of 8192", True),  # vLLM v1
+    (400, "The decoder prompt (length 4100) is longer than the maximum model length of 4096. Make sure that "
+          "`max_model_len` is no smaller than the number of text tokens.", True),  # vLLM's token route
     (413, "prompt is too long", True),
     (400, "temperature must be non-negative, got -1.0", False),
     (500, "This model's maximum context length is 4096 tokens.", False),  # not a refusal of the prompt
