@@ -114,7 +114,8 @@ def loads_answer(content: bytes) -> Any:
 
 
 # How vLLM ("This model's maximum context length is N tokens. However, ...", "... is too long and
-# exceeds limit of N", "The decoder prompt (length N) is longer than the maximum model length of M"), SGLang ("The input (N tokens) is longer than the model's context length")
+# exceeds limit of N", "The decoder prompt (length N) is longer than the maximum model length of M"),
+# SGLang ("The input (N tokens) is longer than the model's context length")
 # and OpenAI-compatible servers refuse a prompt that no longer fits.
 _CONTEXT_FULL = re.compile(r"maximum context length|context (length|window)|(prompt|input).{0,60}"
                            r"(too long|exceeds|longer than the maximum)", re.IGNORECASE)

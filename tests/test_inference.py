@@ -16,7 +16,8 @@ from rollout_service.errors import (BackendError, BackendRejected, BackendTimeou
                                     ContextWindowExceeded, UnknownName)
 from rollout_service.http_pool import Abort, Aborted
 from rollout_service import inference
-from rollout_service.inference import COMPLETIONS_PATH, GENERATE_PATH, ReferenceClient, SGLangClient, VLLMClient, make_client
+from rollout_service.inference import (COMPLETIONS_PATH, GENERATE_PATH, ReferenceClient, SGLangClient, VLLMClient,
+                                      make_client)
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess, scripted_logprob
 from rollout_service.schemas import Sampling
@@ -219,7 +220,7 @@ def vllm_payload(choice: dict) -> dict:
 
 SAMPLING = dict(temperature=0.7, top_p=0.9, top_k=20, seed=7, stop_token_ids=[9], min_p=0.05, presence_penalty=0.5,
                 frequency_penalty=-0.25, repetition_penalty=1.1, min_tokens=4, ignore_eos=True, logit_bias={"42": 3.5})
-VLLM_SAMPLING = {"max_tokens": 32, **{k: v for k, v in SAMPLING.items()}, "logprobs": 0, "skip_special_tokens": False,
+VLLM_SAMPLING = {"max_tokens": 32, **SAMPLING, "logprobs": 0, "skip_special_tokens": False,
                  "spaces_between_special_tokens": False}
 
 

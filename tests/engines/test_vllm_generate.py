@@ -76,7 +76,8 @@ def test_a_jobs_sampling_reaches_vllm_is_recorded_with_the_job_and_its_logprobs_
         first = trajectory.turns[0]
         generated = trajectory.response_ids[first.start:first.end]
         assert generated == [28] * 10
-        assert_close(trajectory.logprobs[first.start:first.end], rescored(vllm_engine, trajectory.prompt_ids, generated))
+        expected = rescored(vllm_engine, trajectory.prompt_ids, generated)
+        assert_close(trajectory.logprobs[first.start:first.end], expected)
         stored = unpack(service.redis().get(JobStore.key(job_id, "request")))["sampling"]
         assert {key: stored[key] for key in sampling} == sampling
         with pytest.raises(ApiError, match=r"sampling\.min_p: must be in \[0, 1\], got 2"):
