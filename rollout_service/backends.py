@@ -10,7 +10,8 @@ shares one exact view:
 - ``jobs:{id}`` (set)         job ids assigned to the backend; the score always equals its size
 - ``job:{job_id}`` (string)   the job's sticky backend id
 - ``version`` / ``paused``    weight-sync state; ``calls`` (hash job -> in-flight LLM calls);
-  ``updated``                 new weights were loaded during this pause (resume keeps their version)
+  ``updated``                 new weights were loaded during this pause (resume keeps their version);
+  ``engines_paused``          the engines were paused too (resumed by the probe round if the pause lapses)
 
 Every mutation of the assignment state is one Lua script, so counts stay exact with any
 number of concurrent workers and a crash can never lose or double-count an assignment.
@@ -286,6 +287,14 @@ return version()
 """
 
 
+# The service's pause lapsed (its ttl) while the engines it paused are still paused: '1' for the one
+# caller that resumes them.
+_LAPSED = _LUA_KEYS + """
+if redis.call('EXISTS', key('paused')) == 1 then return 0 end
+return redis.call('DEL', key('engines_paused'))
+"""
+
+
 # A run worker's call gate (llm.CallGate): its lease to start calls without a round trip each, a
 # member of key('gates') scored by when it closes (Redis time, ms).
 _LUA_GATES = _LUA_KEYS + """
@@ -336,6 +345,7 @@ class BackendPool:
             redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
             _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL, _RENEW_GATE, _RELEASE_GATE, _OPEN_GATES,
             _COUNT_CALL, _WEIGHTS_LOADED)
+        self._lapsed = scripts_of(redis_client, _LAPSED)[0]
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, "backend", *parts))
@@ -477,8 +487,11 @@ class BackendPool:
             raise self._not_found(backend_id)
 
     def probe(self, timeout_s: float = 2.0) -> dict[str, bool]:
-        """GET {url}/health on every backend; FAILURES_TO_UNHEALTHY misses in a row mark it unhealthy."""
+        """GET {url}/health on every backend; FAILURES_TO_UNHEALTHY misses in a row mark it unhealthy.
+        Engines a pause stopped are resumed here once that pause lapsed (a trainer died mid-sync)."""
         backends = self._read_views([])
+        if int(self._lapsed(args=[self.prefix])):
+            control_engines(backends, "resume", ENGINE_RESUME_TIMEOUT_S)
         if not backends:
             return {}
         client = _health_client()
@@ -498,6 +511,13 @@ class BackendPool:
         """Stop new LLM calls for ``ttl_s`` seconds, or until resume(); pausing again renews it
         (a trainer that dies mid-sync must not leave the service paused for good)."""
         self.redis.set(self._key("paused"), 1, px=max(int(ttl_s * 1000), 1))
+
+    def engines_paused(self, paused: bool) -> None:
+        """Whether the engines are paused as well (``probe`` resumes them if the pause lapses)."""
+        if paused:
+            self.redis.set(self._key("engines_paused"), 1)
+        else:
+            self.redis.delete(self._key("engines_paused"))
 
     def pause_expires_in_s(self) -> float | None:
         ttl_ms = self.redis.pttl(self._key("paused"))
@@ -656,6 +676,7 @@ def _answers_health(client: httpx.Client, url: str, timeout_s: float) -> bool:
 # SGLang's, the reference server's)
 
 PAUSE_MODES = ("keep", "wait", "abort")
+ENGINE_RESUME_TIMEOUT_S = 30.0
 _SGLANG_PAUSE_MODES = {"keep": "in_place", "wait": "in_place", "abort": "abort"}  # SGLang drains nothing itself
 
 

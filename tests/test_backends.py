@@ -646,6 +646,11 @@ def test_pause_and_resume_reach_every_engine_and_report_each(service, client, sc
 
         bad = httpx.post(f"{service.url}/v1/backends/pause", params={"mode": "freeze"})
         assert bad.status_code == 400 and "`mode`" in bad.json()["error"]["message"]
+        client.pause(mode="keep", ttl_s=0.5)  # a trainer that dies mid-sync: the probe round resumes the engines
+        deadline = time.monotonic() + 30
+        while any(_is_paused(url) for url in urls) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_is_paused(url) for url in urls)
     finally:
         for backend in (*backends, dead):
             client.remove_backend(backend.id)

@@ -76,6 +76,7 @@ def pause() -> Response:
             time.sleep(0.02)
     if mode == "wait":  # drained here first: an engine paused meanwhile would hold a late call, not finish it
         wait_for_calls()
+    p.engines_paused(True)
     engines = control_engines(p.list(), "pause", settings().engine_control_timeout_s + wait_s, mode=mode)
     if mode == "abort":
         wait_for_calls()
@@ -92,6 +93,7 @@ def resume() -> Response:
     p = pool()
     version = p.resume(req.policy_version, lift=False)  # first, so calls a keep-mode pause froze end under it
     engines = control_engines(p.list(), "resume", settings().engine_control_timeout_s)
+    p.engines_paused(False)
     p.resume(version)
     return reply({"paused": False, "policy_version": version, "engines": [e.model_dump() for e in engines]})
 
