@@ -73,6 +73,12 @@ class BackendUnreachable(BackendError):
     code = "backend_unreachable"
 
 
+class GenerationAborted(BackendError):
+    """The engine dropped the generation (an abort-mode pause of a weight sync): made again after it."""
+
+    code = "generation_aborted"
+
+
 class BackendTimeout(BackendError):
     """An inference server accepted the call but did not answer within the call's deadline."""
 

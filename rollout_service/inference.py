@@ -34,6 +34,7 @@ from rollout_service.errors import (
     BackendError,
     BackendRejected,
     BackendTimeout,
+    GenerationAborted,
     BackendUnreachable,
     ContextWindowExceeded,
     UnknownName,
@@ -255,6 +256,9 @@ class _HTTPInferenceClient:
             raise self._malformed(
                 f"{len(token_ids)} token ids but {len(logprobs)} logprobs; they must align"
             )
+        if finish_reason == "abort":
+            raise GenerationAborted(f"the {self.kind} backend at {self.url} aborted the generation (a pause "
+                                    "with mode=abort); it is made again once the service resumes")
         if finish_reason not in FINISH_REASONS:
             raise BackendError(
                 f"the {self.kind} backend at {self.url} ended the generation with finish reason "

@@ -15,7 +15,7 @@ import redis
 from rollout_service.agent import EpisodeInterrupted
 from rollout_service.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.errors import (BackendError, BackendTimeout, BackendUnreachable, ContextWindowExceeded,
-                                    NoBackendAvailable, NotFound)
+                                    GenerationAborted, NoBackendAvailable, NotFound)
 from rollout_service.green import in_background
 from rollout_service.http_pool import Abort, Aborted
 from rollout_service.inference import Generation, InferenceClient, make_client
@@ -128,6 +128,9 @@ class CancelWatcher:
 CANCELS = CancelWatcher()
 
 
+MAX_ABORTED_CALLS = 5  # one call dropped by this many engine aborts in a row fails the job
+
+
 class PooledLLM:
     """Generates for one job: acquires its sticky backend, waits out pauses, moves off dead backends."""
 
@@ -158,13 +161,19 @@ class PooledLLM:
                 return ids
         left: Optional[str] = None  # the backend this call failed on first
         ended_under: Optional[Callable[[], Optional[int]]] = None
+        aborted = 0
         while True:
-            backend = self._start_call()
+            backend = self._start_call()  # waits out a weight-sync pause
             version = backend.policy_version
             try:
                 if self._stale(record, version):
                     raise EpisodeInterrupted(FinishReason.stale)
                 gen = self._call(backend, prompt_ids, max_new_tokens)
+            except GenerationAborted:
+                aborted += 1
+                if aborted > MAX_ABORTED_CALLS:
+                    raise
+                continue
             except BackendUnreachable as exc:
                 unreachable = exc
             else:
@@ -193,7 +202,7 @@ class PooledLLM:
         gen = None
         try:
             gen = self._call(backend, prompt_ids, max_new_tokens)
-        except BackendUnreachable:
+        except (BackendUnreachable, GenerationAborted):
             pass
         finally:
             ended_under = self.pool.end_call(self.job_id)

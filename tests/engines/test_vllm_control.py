@@ -103,3 +103,24 @@ def test_update_weights_changes_the_served_policy_and_a_frozen_call_records_both
     restored = client.update_weights(str(smollm2_dir), model=vllm_engine.model)
     assert restored["policy_version"] == before + 2
     assert max(abs(a - b) for a, b in zip(original, prompt_logprobs(vllm_engine))) < 1e-4
+
+
+def test_a_call_an_abort_pause_dropped_is_made_again_after_resume_and_its_job_completes(
+        client, vllm_engine: VLLMServer, registered):
+    sampling = {"model": vllm_engine.model, "max_new_tokens": 300, "min_tokens": 300, "ignore_eos": True,
+                "temperature": 1.0, "seed": 11}
+    job_id = client.submit(math_task("Count to one thousand, slowly."), sampling=sampling,
+                           agent={"max_turns": 1, "tools": ["finish"]}).job_ids[0]
+    deadline = time.monotonic() + 120
+    while running_requests(vllm_engine) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dropped = client.pause(mode="abort", ttl_s=120)
+    assert [e["ok"] for e in dropped["engines"]] == [True], dropped
+    time.sleep(1)
+    assert running_requests(vllm_engine) == 0
+    client.resume()
+
+    [view] = client.wait([job_id], timeout_s=300)
+    assert view.status.value == "completed", view.error
+    generations = [t for t in client.trajectory(job_id).turns if t.kind == "generation"]
+    assert len(generations) == 1 and generations[0].end - generations[0].start == 300
