@@ -441,6 +441,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 reset_prefix_caches(urls)
                 round_robin = driver.run("rr", urls, rollouts, round_robin=True)
                 print_phase(round_robin, 1)
+        except Exception:
+            dead = [e for e in engines if e.process is not None and e.process.poll() is not None]
+            if dead:  # e.g. the kernel's OOM killer took its worker: say so rather than a refused connection
+                raise SystemExit(f"vLLM at {dead[0].url} died during the run (exit code {dead[0].process.returncode}); "
+                                 f"its log ({dead[0].log_path}) ends:\n"
+                                 + dead[0].log_path.read_text(errors="replace")[-2000:]) from None
+            raise
         finally:
             for engine in engines:
                 engine.stop()
