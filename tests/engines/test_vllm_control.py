@@ -33,6 +33,13 @@ def running_requests(engine: VLLMServer) -> float:
                if line.startswith("vllm:num_requests_running"))
 
 
+def wait_running(engine: VLLMServer, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while running_requests(engine) < 1:
+        assert time.monotonic() < deadline, "the job's generation never started in the engine"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def perturbed_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2's checkpoint with its final norm scaled: another policy of the same architecture."""
@@ -74,9 +81,7 @@ def test_update_weights_changes_the_served_policy_and_a_frozen_call_records_both
     long_job = client.submit(math_task("Write a very long story about a dragon who learns to add numbers. "
                                        "Then answer: what is 2 + 2?"), sampling=sampling,
                              agent={"max_turns": 1, "tools": ["finish"]}).job_ids[0]
-    deadline = time.monotonic() + 120
-    while running_requests(vllm_engine) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_running(vllm_engine)
     frozen = client.pause(mode="keep", ttl_s=300)
     assert frozen["inflight_calls"] >= 1 and is_paused(vllm_engine), frozen
     before = frozen["policy_version"]
@@ -111,9 +116,7 @@ def test_a_call_an_abort_pause_dropped_is_made_again_after_resume_and_its_job_co
                 "temperature": 1.0, "seed": 11}
     job_id = client.submit(math_task("Count to one thousand, slowly."), sampling=sampling,
                            agent={"max_turns": 1, "tools": ["finish"]}).job_ids[0]
-    deadline = time.monotonic() + 120
-    while running_requests(vllm_engine) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_running(vllm_engine)
     dropped = client.pause(mode="abort", ttl_s=120)
     assert [e["ok"] for e in dropped["engines"]] == [True], dropped
     time.sleep(1)
