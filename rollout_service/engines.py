@@ -85,7 +85,7 @@ class VLLMServer:
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_engine_ready(self.url, self.process, self.log_path, timeout_s)
-        except ConfigError:
+        except BaseException:  # a failed start, or the caller interrupted (a test's timeout): no orphan engine
             self.stop()
             raise
         return self
