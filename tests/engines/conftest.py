@@ -33,6 +33,10 @@ ENGINE_TEST_TIMEOUT_S = 1200  # the first test also waits for vLLM's start (its 
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
-            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
+    """Engine tests last: the session's vLLM then starts after every other test, and its worker
+    (which keeps a core busy while idle) does not slow them down."""
+    here = Path(__file__).parent
+    engine = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
+    for item in engine:
+        item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
+    items[:] = [item for item in items if item not in engine] + engine
