@@ -115,9 +115,12 @@ def recover_orphans(store: JobStore) -> list[str]:
     }
     recovered = []
     for job_id, (stage, claim, ttl_s, what) in claims.items():
-        if store.redis.set(store.key(job_id, claim), "1", nx=True, ex=ttl_s):
+        # claimed for one pass until the message is sent: Redis dying between the two must not
+        # leave a claim that outlives a message it never got (the job would wait forever)
+        if store.redis.set(store.key(job_id, claim), "1", nx=True, ex=int(patience_s) + 1):
             log.warning("job %s lost its %s %s; re-enqueueing from %s", job_id, stage, what, stage)
             dispatch.enqueue_from(job_id, stage)
+            store.redis.expire(store.key(job_id, claim), ttl_s)
             recovered.append(job_id)
     return recovered
 
