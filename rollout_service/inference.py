@@ -257,8 +257,8 @@ class _HTTPInferenceClient:
                 f"{len(token_ids)} token ids but {len(logprobs)} logprobs; they must align"
             )
         if finish_reason == "abort":
-            raise GenerationAborted(f"the {self.kind} backend at {self.url} aborted the generation (a pause "
-                                    "with mode=abort); it is made again once the service resumes")
+            raise GenerationAborted(f"the {self.kind} backend at {self.url} ended the generation with finish reason "
+                                    "'abort' (a pause with mode=abort); it is made again once the service resumes")
         if finish_reason not in FINISH_REASONS:
             raise BackendError(
                 f"the {self.kind} backend at {self.url} ended the generation with finish reason "

@@ -399,6 +399,15 @@ def test_malformed_vllm_answers_are_backend_errors(choice, problem):
         client.generate([1], Sampling(), 8, 5)
 
 
+def test_a_generation_the_engine_aborted_is_a_typed_error_the_pool_makes_again():
+    from rollout_service.errors import GenerationAborted
+
+    aborted = {"token_ids": [1], "finish_reason": "abort", "logprobs": {"token_logprobs": [-1.0]}}
+    client = mock_client(ReferenceClient, lambda r: httpx.Response(200, json=vllm_payload(aborted)))
+    with pytest.raises(GenerationAborted, match="mode=abort"):
+        client.generate([1], Sampling(), 8, 5)
+
+
 def test_the_sglang_client_sends_input_ids_and_reads_the_logprob_triples():
     seen = []
 
