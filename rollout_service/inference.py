@@ -191,10 +191,14 @@ class _HTTPInferenceClient:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         started = time.monotonic()
-        body = self.request_body(list(prompt_ids), sampling, max_new_tokens)
-        payload = self._answer(self.path, *self._send(self.path, body, timeout_s, abort))
-        token_ids, logprobs, finish_reason = self.parse_response(payload)
+        token_ids, logprobs, finish_reason = self._exchange(prompt_ids, sampling, max_new_tokens, timeout_s, abort)
         return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
+
+    def _exchange(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+                  abort: Abort | None) -> tuple[list[int], list[float], str]:
+        """One request and its parsed answer: (token ids, logprobs, finish reason)."""
+        body = self.request_body(list(prompt_ids), sampling, max_new_tokens)
+        return self.parse_response(self._answer(self.path, *self._send(self.path, body, timeout_s, abort)))
 
     def _send(self, path: str, body: dict[str, Any], timeout_s: float,
               abort: Abort | None = None) -> tuple[int, bytes]:
@@ -305,14 +309,8 @@ class VLLMClient(_HTTPInferenceClient):
     path = GENERATE_PATH
     token_route = True  # ask /inference/v1/generate first
 
-    def generate(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
-        abort: Abort | None = None,
-    ) -> Generation:
-        """``abort``: a handle that ends the request at once from elsewhere (``Aborted`` is raised)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        started = time.monotonic()
+    def _exchange(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+                  abort: Abort | None) -> tuple[list[int], list[float], str]:
         params = vllm_sampling(sampling, max_new_tokens)
         route = _vllm_routes.get(self.url) if self.token_route else _COMPLETIONS
         if route is None or route == _GENERATE:
@@ -326,13 +324,10 @@ class VLLMClient(_HTTPInferenceClient):
                 raise
             if status not in _NO_TOKEN_ROUTE or route == _GENERATE:
                 _vllm_routes[self.url] = _GENERATE
-                token_ids, logprobs, finish_reason = self.parse_generate(self._answer(GENERATE_PATH, status, content))
-                return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
+                return self.parse_generate(self._answer(GENERATE_PATH, status, content))
             _vllm_routes[self.url] = _COMPLETIONS
-        payload = self._answer(COMPLETIONS_PATH, *self._send(
-            COMPLETIONS_PATH, self.completions_body(prompt_ids, params), timeout_s, abort))
-        token_ids, logprobs, finish_reason = self.parse_response(payload)
-        return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
+        return self.parse_response(self._answer(COMPLETIONS_PATH, *self._send(
+            COMPLETIONS_PATH, self.completions_body(prompt_ids, params), timeout_s, abort)))
 
     def generate_body(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         params["detokenize"] = False
