@@ -151,3 +151,9 @@ class RequestTooLarge(RolloutError):
 class UnsupportedMediaType(RolloutError):
     http_status = 415
     code = "unsupported_media_type"
+
+
+class TrainerFormatError(RolloutError, ValueError):
+    """Trajectories that a trainer format cannot hold as they are (nothing is dropped silently)."""
+
+    code = "trainer_format"
