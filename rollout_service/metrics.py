@@ -15,7 +15,7 @@ import redis
 from rollout_service.backends import BackendPool
 from rollout_service.metrics_recording import COUNTERS, COUNTERS_KEY, HISTOGRAMS, HISTOGRAMS_KEY, labels_text
 from rollout_service.sandbox.registry import EXPIRY_KEY
-from rollout_service.store import LIVE_JOBS, PREFIX, as_text
+from rollout_service.store import LIVE_JOBS, PREFIX, as_text, broker_client
 
 QUEUES = ("init", "run", "eval", "control")
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
@@ -117,7 +117,7 @@ def _render_histograms(out: Exposition, client: redis.Redis) -> None:
 
 def render(client: redis.Redis) -> str:
     out = Exposition()
-    depths = queue_depths(client)
+    depths = queue_depths(broker_client(client))
     out.gauge("rollout_queue_length", "Messages waiting in each Celery queue's list.",
               [(f'queue="{q}"', waiting) for q, (waiting, _) in depths.items()])
     out.gauge("rollout_queue_reserved_unstarted",

@@ -5,6 +5,7 @@ files 0600 in a 0700 directory, the commands that reconfigure or wipe a server d
 started by root through sudo, run as the invoking user."""
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import shutil
@@ -12,7 +13,9 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Optional
+from urllib.parse import urlencode
 
 import redis
 
@@ -61,13 +64,34 @@ def invoking_user() -> Optional[tuple[int, int]]:
     return (uid, gid) if uid != 0 else None
 
 
-class RedisServer:
-    """A redis-server child process with AOF on and ``noeviction`` (broker keys must never be evicted)."""
+@dataclass(frozen=True)
+class TLSFiles:
+    """The server's certificate and key, and the CA that clients check it against."""
+    cert: Path
+    key: Path
+    ca: Path
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
+    def __post_init__(self) -> None:
+        for name in ("cert", "key", "ca"):
+            if not Path(getattr(self, name)).is_file():
+                raise ConfigError(f"TLS {name} file {getattr(self, name)} does not exist: give the paths of "
+                                  "the server's certificate, its key and the CA certificate clients trust")
+
+
+class RedisServer:
+    """A redis-server child process with AOF on and ``noeviction`` (broker keys must never be evicted).
+
+    ``bind`` is the address it listens on (loopback by default), ``host`` the name clients use in
+    its URL; with ``tls`` it serves TLS only and its URL is ``rediss://``."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, bind: str = "127.0.0.1",
+                 host: str | None = None, tls: TLSFiles | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.bind = bind
+        self.host = host or ("127.0.0.1" if bind in ("0.0.0.0", "::", "*") else bind.split()[0])
+        self.tls = tls
         self.process: subprocess.Popen | None = None
 
     @property
@@ -80,7 +104,10 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        if self.tls:
+            query = urlencode({"ssl_cert_reqs": "required", "ssl_ca_certs": str(Path(self.tls.ca).resolve())})
+            return f"rediss://:{self.password}@{self.host}:{self.port}/0?{query}"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def command(self) -> list[str]:
         """The server's command line; the password and the disabled commands are in its 0600
@@ -89,7 +116,12 @@ class RedisServer:
         self.data_dir.chmod(0o700)
         for existing in self.data_dir.rglob("*"):
             existing.chmod(0o700 if existing.is_dir() else 0o600)
-        lines = [f"requirepass {self.password}", f"port {self.port}", "bind 127.0.0.1", "protected-mode yes",
+        listen = [f"port {self.port}"]
+        if self.tls:
+            listen = ["port 0", f"tls-port {self.port}", f'tls-cert-file "{Path(self.tls.cert).resolve()}"',
+                      f'tls-key-file "{Path(self.tls.key).resolve()}"',
+                      f'tls-ca-cert-file "{Path(self.tls.ca).resolve()}"', "tls-auth-clients no"]
+        lines = [f"requirepass {self.password}", *listen, f"bind {self.bind}", "protected-mode yes",
                  f'dir "{self.data_dir}"', "maxmemory-policy noeviction",
                  f"appendonly {'yes' if self.appendonly else 'no'}", "appendfsync everysec", 'save ""',
                  "daemonize no", "loglevel warning", f'logfile "{self.data_dir / "redis.log"}"',
@@ -147,3 +179,33 @@ def _private_as(user: Optional[tuple[int, int]]) -> Callable[[], None]:
             os.setgid(user[1])
             os.setuid(user[0])
     return prepare
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run redis-server in the foreground for a cluster (slurm/control.sbatch): its password
+    generated into ``--dir`` (0600), its URL written to ``--url-file`` (0600) for the other jobs."""
+    parser = argparse.ArgumentParser(prog="python -m rollout_service.redis_server", description=main.__doc__)
+    parser.add_argument("--dir", required=True, type=Path, help="its data, config and password (made 0700)")
+    parser.add_argument("--url-file", required=True, type=Path, help="where its URL (with the password) is written")
+    parser.add_argument("--port", type=int, default=6379)
+    parser.add_argument("--bind", default="127.0.0.1", help="the address(es) it listens on, space-separated")
+    parser.add_argument("--host", help="the name other nodes reach it by (default: the bind address)")
+    parser.add_argument("--tls-cert", type=Path)
+    parser.add_argument("--tls-key", type=Path)
+    parser.add_argument("--tls-ca", type=Path)
+    args = parser.parse_args(argv)
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if any(given) and not all(given):
+        parser.error("TLS needs all of --tls-cert, --tls-key and --tls-ca")
+    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(given) else None
+    server = RedisServer(args.dir, port=args.port, bind=args.bind, host=args.host, tls=tls)
+    command = server.command()
+    args.url_file.parent.mkdir(parents=True, exist_ok=True)
+    write_private(args.url_file, server.url + "\n")
+    os.umask(0o077)
+    os.execv(command[0], command)
+    return 1  # unreachable
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

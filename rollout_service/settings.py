@@ -17,6 +17,7 @@ CORES = len(os.sched_getaffinity(0))
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = ""  # empty: an embedded redis-server under state_dir
+    broker_url: str = ""  # Celery's queues on a Redis of their own; empty: the same Redis as redis_url
     redis_socket_timeout_s: float = 10.0  # above any single command; blocking reads stay shorter
     redis_connect_timeout_s: float = 3.0
     redis_retries: int = 3  # per command, exponential backoff, on connection errors and timeouts

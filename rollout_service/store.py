@@ -181,6 +181,16 @@ def redis_client(settings: Settings | None = None) -> redis.Redis:
                        settings.redis_connect_timeout_s, settings.redis_retries)
 
 
+def broker_client(state: redis.Redis, settings: Settings | None = None) -> redis.Redis:
+    """The Redis holding Celery's queues: ROLLOUT_BROKER_URL's, or ``state`` when the broker
+    shares the state's Redis."""
+    settings = settings or get_settings()
+    if not settings.broker_url:
+        return state
+    return _client_for(settings.broker_url, settings.redis_socket_timeout_s, settings.redis_connect_timeout_s,
+                       settings.redis_retries)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:16]}"
 

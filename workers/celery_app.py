@@ -60,7 +60,7 @@ class Transport(kombu_redis.Transport):
 
 
 def make_celery(settings: Settings) -> Celery:
-    url = resolve_redis_url(settings)
+    url = settings.broker_url or resolve_redis_url(settings)
     visibility_s = max(settings.visibility_timeout_s, int(settings.job_deadline_s) * 2)
     app = Celery("rollout", broker=url, include=[
         "workers.init", "workers.run", "workers.eval", "workers.control"])

@@ -20,7 +20,7 @@ from rollout_service.backends import BackendPool
 from rollout_service.errors import StoreUnavailable
 from rollout_service.schemas import TERMINAL_STATUSES, JobStatus
 from rollout_service.settings import get_settings
-from rollout_service.store import JobStore
+from rollout_service.store import JobStore, broker_client
 from workers import dispatch
 from workers.celery_app import app
 from workers.stage import STAGE_STATUS, job_store
@@ -106,7 +106,7 @@ def recover_orphans(store: JobStore) -> list[str]:
     lost: dict[str, str] = {}
     # the broker scan reads every queued message: at most once per lease TTL, however deep the backlog
     if unsent and store.redis.set(LOST_SCAN_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
-        present = dispatch.messages_present(store.redis, [dispatch.stage_mark(j, s) for j, s in unsent.items()])
+        present = dispatch.messages_present(broker_client(store.redis), [dispatch.stage_mark(j, s) for j, s in unsent.items()])
         lost = {j: s for j, s in unsent.items() if dispatch.stage_mark(j, s) not in present}
     claims = {  # once per delivery for a dead worker: its message stays unacked for hours
         **{j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker") for j, (s, attempts) in crashed.items()},
