@@ -48,8 +48,9 @@ def recorded(service, tmp_path_factory, tiny_tokenizer_dir) -> list[Trajectory]:
     ]}
     directory = tmp_path_factory.mktemp("adapters")
     (directory / "script.json").write_text(json.dumps(script))
-    server = ReferenceServerProcess(["--script", str(directory / "script.json"), "--tokenizer", str(tiny_tokenizer_dir)],
-                                    port=free_port(), log_path=directory / "server.log").start()
+    server = ReferenceServerProcess(
+        ["--script", str(directory / "script.json"), "--tokenizer", str(tiny_tokenizer_dir)],
+        port=free_port(), log_path=directory / "server.log").start()
     with service.client() as client:
         backend = client.add_backend(server.url, "vllm", f"adapters-{tag}", tokenizer=str(tiny_tokenizer_dir))
         try:
@@ -245,7 +246,8 @@ def test_a_truncated_episode_is_marked_on_its_last_segment_and_unknown_formats_a
     cut = recorded[2].model_copy(update={"truncated": True, "finish_reason": FinishReason.max_turns})
     assert [s["status"] for s in to_slime([cut])] == ["completed", "truncated"]
     assert [s["truncated"] for s in to_openrlhf([cut])] == [False, True]
-    assert to_verl([cut], PAD, PROMPT_LENGTH, RESPONSE_LENGTH)["non_tensor_batch"]["truncated"].tolist() == [False, True]
+    verl = to_verl([cut], PAD, PROMPT_LENGTH, RESPONSE_LENGTH)
+    assert verl["non_tensor_batch"]["truncated"].tolist() == [False, True]
     assert adapter("verl") is to_verl
     with pytest.raises(ValueError, match="verl, trl, slime, openrlhf"):
         adapter("deepspeed-chat")

@@ -1,0 +1,1 @@
+"""Glue for trainer libraries (each module imports its library only when used)."""
