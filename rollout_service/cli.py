@@ -413,7 +413,22 @@ def build_parser() -> argparse.ArgumentParser:
     reap.add_argument("--all-hosts", action="store_true")
     reap.add_argument("--every-s", type=float, default=None, metavar="S",
                       help="keep reaping every S seconds (a reaper beside the workers of a container)")
+    harness = sub.add_parser("harness", help="prepare harness environments (agent.harness.env_dir)")
+    harness_sub = harness.add_subparsers(dest="harness_command", required=True)
+    install = harness_sub.add_parser("install", help="make a virtualenv with a preset's packages (and more)")
+    install.add_argument("name", help="a preset (mini-swe-agent) or any name with --package")
+    install.add_argument("--into", default=None, help="the environment's directory "
+                                                      "(default: ROLLOUT_STATE_DIR/harnesses/NAME)")
+    install.add_argument("--package", action="append", default=[], metavar="SPEC", help="one more pip requirement")
     return parser
+
+
+def cmd_harness(args: argparse.Namespace) -> int:
+    from rollout_service.harness_presets import install
+
+    target = install(args.name, args.into, tuple(args.package))
+    print(f"{target}\nuse it with: \"agent\": {{\"harness\": {{\"env_dir\": \"{target}\", ...}}}}")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -438,6 +453,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return cmd_submit(args)
         if args.command == "reap":
             return cmd_reap(args)
+        if args.command == "harness":
+            return cmd_harness(args)
     except RolloutError as exc:
         print(f"rollout-service: {exc}", file=sys.stderr)
         return 2

@@ -1,11 +1,12 @@
-"""External agent harnesses: a job's own OpenAI-compatible ``/v1/chat/completions``, served by
-the run worker on a Unix socket bound into the job's sandbox, and the harness run inside it.
+"""External agent harnesses: a job's own model endpoint, served by the run worker on a Unix socket
+bound into the job's sandbox, and the harness run inside it.
 
-Every call goes through the job's ``PooledLLM`` (sticky backend, pause/resume, failover,
-policy versions) in token space. A conversation that extends the previous call's prompt +
-completion (the previous messages, then the assistant reply exactly as returned, then new
-tool/user messages) is appended as an observation delta, like the built-in agent does: the
-history is never re-rendered. Any other conversation is rendered whole and starts a new
+The endpoint speaks OpenAI Chat Completions, OpenAI Responses and Anthropic Messages
+(``rollout_service.harness_protocols``). Every call goes through the job's ``PooledLLM`` (sticky
+backend, pause/resume, failover, policy versions) in token space. A conversation that extends the
+previous call's prompt + completion (the previous messages, then the assistant reply exactly as
+returned, then new tool/user messages) is appended as an observation delta, like the built-in agent
+does: the history is never re-rendered. Any other conversation is rendered whole and starts a new
 trajectory segment, so each segment keeps the invariant ``prompt sent == prompt_ids +
 response_ids[:start]``.
 """
@@ -21,20 +22,22 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-import pydantic
+from typing import Any, Callable, Mapping, Optional
 
 from rollout_service.agent import Episode, EpisodeInterrupted, Limits
-from rollout_service.api.common import validation_message
 from rollout_service.errors import HarnessFailed, RolloutError
+from rollout_service.harness_presets import launch
+from rollout_service.harness_protocols import ChatError, Generated, all_routes, protocol_for, template_message
 from rollout_service.sandbox.harness_launcher import RESULT_MARKER
-from rollout_service.schemas import ChatCompletionRequest, FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
+from rollout_service.schemas import FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
 from rollout_service.tokens import ChatRenderer
-from rollout_service.toolcalls import ToolCall, ToolCallParser
+from rollout_service.toolcalls import ToolCallParser
 from rollout_service.trajectory import TrajectoryBuilder
 
 log = logging.getLogger(__name__)
+
+__all__ = ["ChatError", "ChatSession", "EndpointServer", "harness_messages", "launcher_command", "new_api_key",
+           "parse_result", "run_harness", "template_message"]
 
 ENDPOINT_SOCKET = "openai.sock"
 STOP_FILE = "harness.stop"
@@ -42,64 +45,16 @@ MESSAGES_FILE = "messages.json"
 ANSWER_FILE = "answer"  # in the sandbox's own socket directory: one per attempt, removed with it
 WATCH_INTERVAL_S = 0.25
 LAUNCHER_GRACE_S = 30.0
+NO_RETRY = {"x-should-retry": "false"}  # the OpenAI and Anthropic SDKs retry 409s and 5xx without it
 LAUNCH_BOOTSTRAP = (
     "import sys; sys.path[0] = {path!r}; "
     "from rollout_service.sandbox.harness_launcher import main; main()"
 )
 
 
-class ChatError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "type": self.code}}
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-
-
-def _arguments(raw: Any, where: str) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        value = json.loads(raw) if isinstance(raw, str) else None
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise ChatError(400, "invalid_request", f"{where}.function.arguments must be a JSON object (or its JSON string)")
-    return value
-
-
-def template_message(message: Any, index: int) -> dict[str, Any]:
-    """An OpenAI message in the shape chat templates expect (text content, argument objects)."""
-    out: dict[str, Any] = {"role": message.role, "content": _text(message.content)}
-    if message.role == "developer":
-        out["role"] = "system"
-    extra = message.model_extra or {}
-    if message.role == "tool" and isinstance(extra.get("name"), str):
-        out["name"] = extra["name"]
-    if message.tool_calls:
-        calls = []
-        for k, call in enumerate(message.tool_calls):
-            where = f"messages[{index}].tool_calls[{k}]"
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ChatError(400, "invalid_request", f'{where} needs {{"type": "function", "function": {{"name", "arguments"}}}}')
-            calls.append(ToolCall(function["name"], _arguments(function.get("arguments", {}), where)).to_openai())
-        out["tool_calls"] = calls
-    return out
-
-
 @dataclass
 class ChatSession:
-    """The LLM side of one harness episode: answers chat.completions calls and records them."""
+    """The LLM side of one harness episode: answers the harness's calls and records them."""
 
     llm: Any
     renderer: ChatRenderer
@@ -112,31 +67,35 @@ class ChatSession:
     failure: Optional[BaseException] = None
     final_text: str = ""
     calls: int = 0
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Responses API: id -> conversation
     _previous: Optional[tuple[list[dict[str, Any]], Any, list[int]]] = None  # messages, tools, generated
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def handle(self, path: str, authorization: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    def handle(self, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """(status, body, extra headers) of one HTTP call."""
+        protocol = protocol_for(path)
         try:
-            if path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-                raise ChatError(404, "not_found", f"no route {path}; this endpoint serves POST /v1/chat/completions")
-            if not secrets.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode()):
-                raise ChatError(401, "unauthorized", "wrong or missing API key: send Authorization: Bearer $OPENAI_API_KEY")
-            try:
-                request = ChatCompletionRequest.model_validate_json(body or b"null")
-            except pydantic.ValidationError as exc:
-                raise ChatError(400, "invalid_request", validation_message(exc)) from None
+            if protocol is None:
+                raise ChatError(404, "not_found", f"no route {path}; this endpoint serves {all_routes()}")
+            offered = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
+            if not secrets.compare_digest(offered.encode(), self.api_key.encode()):
+                raise ChatError(401, "unauthorized", "wrong or missing API key: send Authorization: Bearer "
+                                                     "$OPENAI_API_KEY (or x-api-key: $ANTHROPIC_API_KEY)")
             with self._lock:
-                return 200, self.complete(request)
+                call = protocol.parse(body, self.responses)
+                generated = self.generate(call.messages, call.tools, call.max_tokens)
+                return 200, protocol.answer(call, generated, self.responses), {}
         except ChatError as exc:
-            return exc.status, exc.body()
+            return exc.status, (protocol or protocol_for("/v1/chat/completions")).error(exc), NO_RETRY
         except Exception as exc:  # a bug: the job fails with it once the harness is stopped
             self.failure = self.failure or exc
-            log.exception("openai endpoint failed")
-            return 500, ChatError(500, "internal_error", f"{type(exc).__name__}: {exc}").body()
+            log.exception("harness endpoint failed")
+            error = ChatError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+            return 500, (protocol or protocol_for("/v1/chat/completions")).error(error), NO_RETRY
 
-    def complete(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        messages = [template_message(m, i) for i, m in enumerate(request.messages)]
-        tools = request.tools or None
+    def generate(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+                 asked: Optional[int]) -> Generated:
+        """One policy call for ``messages`` (chat-template form), recorded in the episode's segments."""
         if self.stopped is not None or self.failure is not None:
             raise self._ended()
         if reason := self.stop_reason():
@@ -150,14 +109,14 @@ class ChatSession:
         if self.limits.max_model_len:
             room = min(room, self.limits.max_model_len - record.context_len)
         if room <= 0:
-            self.stopped = FinishReason.context_length
-            raise self._ended()
-        asked = request.max_completion_tokens or request.max_tokens
+            raise self._too_long(record.context_len)
         prompt_len = record.context_len
         try:
             generated = self.llm.generate(record.context_ids, min(room, asked or room), record)
         except EpisodeInterrupted as stop:
             self.stopped = stop.reason
+            if stop.reason == FinishReason.context_length:
+                raise self._too_long(prompt_len, from_engine=True) from None
             raise self._ended() from None
         except RolloutError as exc:  # an infrastructure error: the job fails with it
             self.failure = exc
@@ -165,13 +124,15 @@ class ChatSession:
         self.calls += 1
         text = self.renderer.decode_generation(generated)
         parsed = self.parser.parse(text)
+        calls = parsed.calls if parsed.calls and not parsed.errors else []
         reply: dict[str, Any] = {"role": "assistant", "content": text if parsed.errors else parsed.content}
-        if parsed.calls and not parsed.errors:
-            reply["tool_calls"] = [call.to_openai() for call in parsed.calls]
+        if calls:
+            reply["tool_calls"] = [call.to_openai() for call in calls]
         record.messages.append(reply)
         self.final_text = text
         self._previous = ([*messages, reply], tools, generated)
-        return self._completion(reply, record.turns[-1].finish_reason, prompt_len, len(generated), request.model)
+        finish = "tool_calls" if calls else ("length" if record.turns[-1].finish_reason == "length" else "stop")
+        return Generated(reply, calls, finish, prompt_len, len(generated))
 
     def _record_for(self, messages: list[dict[str, Any]], tools: Any) -> TrajectoryBuilder:
         """The segment this call extends (after appending the observation delta), or a new one."""
@@ -184,34 +145,28 @@ class ChatSession:
                 started = time.monotonic()
                 delta = self.renderer.observation_delta(new, generated)
                 if self.limits.max_model_len and record.context_len + len(delta) >= self.limits.max_model_len:
-                    self.stopped = FinishReason.context_length
-                    raise self._ended()
+                    raise self._too_long(record.context_len + len(delta))
                 record.messages.extend(new)
                 record.add_observation(delta, time.monotonic() - started)
                 return record
         prompt = self.renderer.encode(self.renderer.render_text(messages, tools, add_generation_prompt=True))
+        if self.limits.max_model_len and len(prompt) >= self.limits.max_model_len:
+            raise self._too_long(len(prompt))
         self.segments.append(TrajectoryBuilder(prompt, messages))
         return self.segments[-1]
+
+    def _too_long(self, used: int, from_engine: bool = False) -> ChatError:
+        """The episode ends at the context limit; the harness is told in its SDK's words."""
+        self.stopped = FinishReason.context_length
+        if from_engine:
+            return ChatError(400, "context_length_exceeded", "the inference engine refused the prompt as longer "
+                                                             "than its model's context; this rollout is over")
+        return ChatError(400, "context_length_exceeded", "This rollout is over (the job's sampling.max_model_len).",
+                         limit=self.limits.max_model_len, used=used)
 
     def _ended(self) -> ChatError:
         reason = self.stopped.value if self.stopped else "error"
         return ChatError(409, "episode_over", f"this rollout is over (finish_reason={reason}); exit the harness")
-
-    @staticmethod
-    def _completion(reply: dict[str, Any], finish: Optional[str], prompt_len: int, generated: int,
-                    model: Optional[str]) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
-        if reply.get("tool_calls"):
-            message["content"] = reply["content"] or None
-            message["tool_calls"] = [
-                {"id": f"call_{secrets.token_hex(6)}", "type": "function",
-                 "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
-                for c in reply["tool_calls"]]
-        reason = "tool_calls" if reply.get("tool_calls") else ("length" if finish == "length" else "stop")
-        return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-                "model": model or "rollout", "choices": [{"index": 0, "message": message, "finish_reason": reason}],
-                "usage": {"prompt_tokens": prompt_len, "completion_tokens": generated,
-                          "total_tokens": prompt_len + generated}}
 
     def build(self, finish_reason: FinishReason) -> Trajectory:
         if not self.segments:
@@ -229,17 +184,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
-        status, doc = self.server.session.handle(self.path, self.headers.get("Authorization", ""), self.rfile.read(length))
-        self._send(status, doc)
+        headers = {key.lower(): value for key, value in self.headers.items()}
+        self._send(*self.server.session.handle(self.path, headers, self.rfile.read(length)))
 
     def do_GET(self) -> None:
-        self._send(404, ChatError(404, "not_found", "this endpoint serves POST /v1/chat/completions").body())
+        self._send(404, {"error": {"message": f"this endpoint serves {all_routes()}", "type": "invalid_request_error",
+                                   "param": None, "code": "not_found"}}, NO_RETRY)
 
-    def _send(self, status: int, doc: dict[str, Any]) -> None:
+    def _send(self, status: int, doc: dict[str, Any], headers: Mapping[str, str]) -> None:
         payload = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        for key, value in headers.items():
+            self.send_header(key, value)
         self.end_headers()
         self.wfile.write(payload)
 
@@ -247,7 +205,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return "harness"
 
     def log_message(self, format: str, *args: Any) -> None:
-        log.debug("openai endpoint: " + format, *args)
+        log.debug("harness endpoint: " + format, *args)
 
 
 class EndpointServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -269,13 +227,27 @@ def new_api_key() -> str:
     return "rk-" + secrets.token_urlsafe(24)
 
 
-def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_key: str, deadline_s: float) -> str:
+def task_text(messages: list[dict[str, Any]]) -> str:
+    """What a preset's agent is asked: the task's user messages."""
+    return "\n\n".join(str(m.get("content") or "") for m in messages if m.get("role") == "user").strip()
+
+
+def harness_messages(messages: list[dict[str, Any]], system_prompt_given: bool) -> list[dict[str, Any]]:
+    """The task's messages for a harness: the domain's built-in system prompt (instructions for the
+    built-in agent's tools) is left out unless the job gave its own."""
+    return messages if system_prompt_given else [m for m in messages if m.get("role") != "system"]
+
+
+def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_key: str, deadline_s: float,
+                     task: str = "", model: str = "rollout") -> str:
     python, package_dir, inner_dir = inside
-    env = {**harness.env, "OPENAI_API_KEY": api_key, "ROLLOUT_MESSAGES_FILE": f"{inner_dir}/{MESSAGES_FILE}"}
+    run = launch(harness, task, model, inner_dir)
+    env = {**run.env, "OPENAI_API_KEY": api_key, "ROLLOUT_MESSAGES_FILE": f"{inner_dir}/{MESSAGES_FILE}"}
     argv = [python, "-c", LAUNCH_BOOTSTRAP.format(path=package_dir),
             "--socket", f"{inner_dir}/{ENDPOINT_SOCKET}", "--stop-file", f"{inner_dir}/{STOP_FILE}",
             "--answer-file", f"{inner_dir}/{ANSWER_FILE}", "--deadline-s", f"{deadline_s:.3f}", "--env-json", json.dumps(env),
-            "--", *harness.command]
+            "--answer-json", json.dumps(run.answer_json), "--env-dir", harness.env_dir or "",
+            "--", *run.command]
     return shlex.join(argv)
 
 
@@ -289,8 +261,19 @@ def parse_result(output: str) -> Optional[dict[str, Any]]:
         return None
 
 
+def failure_message(harness: HarnessConfig, output: str, result: Optional[dict[str, Any]]) -> str:
+    """Why the harness failed, once: the launcher's error, or the exit code and the output's tail."""
+    program = harness.command[0] if harness.command else f"of preset {harness.preset!r}"
+    if result is not None and result.get("error"):
+        return f"the harness failed: {result['error']}"
+    tail = output[:output.rfind(RESULT_MARKER)] if result is not None else output
+    code = result.get("exit_code") if result else "unknown"
+    return (f"the harness program {program} exited with code {code}; fix the harness or its command; "
+            f"its output ends with: {tail.strip()[-1500:]}")
+
+
 def run_harness(sandbox: Any, session: ChatSession, harness: HarnessConfig, messages: list[dict[str, Any]],
-                deadline_at: float, cancelled: Callable[[], bool]) -> Episode:
+                deadline_at: float, cancelled: Callable[[], bool], model: str = "rollout") -> Episode:
     """Serve the job's endpoint, run the harness in ``sandbox`` until it exits (or is stopped),
     and return the recorded trajectory and its answer."""
     socket_dir = sandbox.socket_dir
@@ -299,7 +282,7 @@ def run_harness(sandbox: Any, session: ChatSession, harness: HarnessConfig, mess
     os.chmod(os.path.join(socket_dir, MESSAGES_FILE), 0o644)
     server = EndpointServer(os.path.join(socket_dir, ENDPOINT_SOCKET), session)
     remaining_s = max(deadline_at - time.time(), 0.1)
-    command = launcher_command(harness, sandbox.inside(), session.api_key, remaining_s)
+    command = launcher_command(harness, sandbox.inside(), session.api_key, remaining_s, task_text(messages), model)
     done: dict[str, Any] = {}
 
     def execute() -> None:
@@ -337,10 +320,7 @@ def run_harness(sandbox: Any, session: ChatSession, harness: HarnessConfig, mess
     elif result is not None and result.get("stopped") == "deadline":
         reason = FinishReason.deadline
     elif result is None or result.get("exit_code") != 0:
-        tail = output[-1500:]
-        raise HarnessFailed(f"the harness {harness.command!r} failed "
-                            f"(exit code {result.get('exit_code') if result else 'unknown'}); "
-                            f"fix the harness or its command; its output ends with: {tail}")
+        raise HarnessFailed(failure_message(harness, output, result))
     else:
         reason = FinishReason.finished
     answer = result.get("answer") if result else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -133,18 +133,31 @@ class Sampling(_Strict):
 
 
 class HarnessConfig(_Strict):
-    """An external agent harness run inside the job's sandbox against the job's own
-    OpenAI-compatible endpoint (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` in its environment)."""
+    """An external agent harness run inside the job's sandbox against the job's own endpoints
+    (OpenAI Chat Completions and Responses, Anthropic Messages; ``OPENAI_BASE_URL``,
+    ``ANTHROPIC_BASE_URL`` and their keys in its environment). See docs/harnesses.md."""
 
-    command: list[str] = Field(min_length=1, description="argv, run in /workspace inside the sandbox")
+    command: Optional[list[str]] = Field(None, min_length=1, description=(
+        "argv, run in /workspace inside the sandbox; with a preset, replaces the preset's command"))
+    preset: Optional[str] = Field(None, description="a known harness run non-interactively, e.g. 'mini-swe-agent'")
+    env_dir: Optional[str] = Field(None, description=(
+        "absolute path of a prepared virtualenv or directory (`rollout-service harness install`), under "
+        "ROLLOUT_HARNESS_ROOTS or state_dir/harnesses; bound read-only into the sandbox, its bin/ first on PATH"))
     env: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("command")
     @classmethod
-    def _no_empty_arguments(cls, command: list[str]) -> list[str]:
-        if not command[0].strip():
+    def _no_empty_arguments(cls, command: Optional[list[str]]) -> Optional[list[str]]:
+        if command is not None and not command[0].strip():
             raise ValueError('the program (command[0]) must be a non-empty string, e.g. ["python", "agent.py"]')
         return command
+
+    @model_validator(mode="after")
+    def _command_or_preset(self) -> "HarnessConfig":
+        if self.command is None and self.preset is None:
+            raise ValueError('give agent.harness.command (an argv list, e.g. ["python", "agent.py"]) '
+                             'or agent.harness.preset (e.g. "mini-swe-agent")')
+        return self
 
 
 class AgentConfig(_Strict):
@@ -334,6 +347,43 @@ class ChatCompletionRequest(BaseModel):
         if stream:
             raise ValueError("streaming is not supported; send stream=false (or leave it out)")
         return stream
+
+
+class ResponsesRequest(BaseModel):
+    """The OpenAI Responses request a harness sends (``POST /v1/responses``); like chat.completions,
+    the job's ``sampling`` generates and ``max_output_tokens`` only lowers the per-call cap."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    input: str | list[dict[str, Any]] = Field(description="a user message, or message / function_call / "
+                                              "function_call_output items")
+    instructions: Optional[str] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    max_output_tokens: Optional[int] = Field(None, gt=0)
+    previous_response_id: Optional[str] = None
+    stream: bool = Field(False, description="must be false: streaming is not supported")
+
+    _not_streaming = field_validator("stream")(ChatCompletionRequest._not_streaming.__func__)
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    """The Anthropic Messages request a harness sends (``POST /v1/messages``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    max_tokens: int = Field(gt=0, description="lowers the job's per-call cap")
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Optional[str | list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    stream: bool = Field(False, description="must be false: streaming is not supported")
+
+    _not_streaming = field_validator("stream")(ChatCompletionRequest._not_streaming.__func__)
 
 
 class TrajectoriesResponse(BaseModel):

@@ -82,6 +82,7 @@ class Settings:
     tool_output_cap_bytes: int = 32 * 1024
     eval_timeout_s: float = 60.0
     repo_roots: str = ""  # directories (os.pathsep- or comma-separated) task.repo_path may name besides state_dir
+    harness_roots: str = ""  # directories (os.pathsep- or comma-separated) agent.harness.env_dir may be under besides state_dir/harnesses
     shutdown_grace_s: float = 15.0  # `up` stopping: each rank of pieces (gateway, workers, backends, Redis) gets this long before it is killed
 
     @classmethod
@@ -117,6 +118,12 @@ class Settings:
         """Where a swe task's ``repo_path`` may be (resolved): the state directory and ``repo_roots``."""
         named = [p.strip() for part in self.repo_roots.split(os.pathsep) for p in part.split(",")]
         return tuple(dict.fromkeys(os.path.realpath(p) for p in [str(self.state_path), *named] if p))
+
+    @functools.cached_property
+    def harness_root_paths(self) -> tuple[str, ...]:
+        """Where a harness's ``env_dir`` may be (resolved): state_dir/harnesses and ``harness_roots``."""
+        named = [p.strip() for part in self.harness_roots.split(os.pathsep) for p in part.split(",")]
+        return tuple(dict.fromkeys(os.path.realpath(p) for p in [str(self.state_path / "harnesses"), *named] if p))
 
     @functools.cached_property
     def scratch_path(self) -> str:

@@ -8,7 +8,7 @@ from typing import Optional
 from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.green import after_live_work, green_process, in_background
-from rollout_service.harness import ChatSession, new_api_key, run_harness
+from rollout_service.harness import ChatSession, harness_messages, new_api_key, run_harness
 from rollout_service.llm import CALL_GATE, PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
@@ -123,12 +123,14 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
             sandbox = BackgroundStart(create_sandbox(settings.sandbox, SandboxSpec(
                 job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
-                max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60),
+                max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60,
+                read_only=(harness.env_dir,) if harness is not None and harness.env_dir else ()),
                 store.redis))
             agent.executor = sandbox
         if session is not None:
-            episode = run_harness(sandbox.ready(), session, harness, prepared.messages, ctx.deadline_at,
-                                  lambda: store.cancel_requested(job_id))
+            own_system_prompt = request.agent.system_prompt is not None or "system_prompt" in request.task
+            episode = run_harness(sandbox.ready(), session, harness, harness_messages(prepared.messages, own_system_prompt),
+                                  ctx.deadline_at, lambda: store.cancel_requested(job_id), model=prepared.model)
         else:
             episode = agent.run(prepared.prompt_ids, prepared.messages)
         episode_end = time.time()

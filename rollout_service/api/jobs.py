@@ -17,6 +17,7 @@ from rollout_service.api.common import (
 from rollout_service.backends import BackendPool
 from rollout_service.batches import enqueue_jobs as enqueue  # a module attribute: tests replace it
 from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
+from rollout_service.harness_presets import check_harness
 from rollout_service.schemas import (
     MAX_LIST_JOBS, AgentConfig, BulkJobRequest, BulkSubmitResponse, JobIdsRequest, JobList, JobRequest,
     JobStatus, JobView, Sampling, ScoreRequest, ScoreResponse, SubmitResponse, TrajectoriesResponse,
@@ -64,6 +65,8 @@ def check_job(task: dict[str, Any], sampling: Sampling, agent: AgentConfig, mode
             raise ValidationError(f"{at}agent.tools {unknown} are not offered by domain {handler.name!r}"
                                   f"{f' ({task_at})' if where or task_at != 'task' else ''}; "
                                   f"it offers {list(offered)}")
+    if agent.harness is not None:
+        check_harness(agent.harness, at)
     if agent.tool_parser not in PARSERS:
         raise ValidationError(f"{at}agent.tool_parser {agent.tool_parser!r} is unknown; "
                               f"valid: {', '.join(sorted(PARSERS))}")

@@ -53,6 +53,7 @@ class SandboxSpec:
     ttl_s: float = 7200
     env: dict[str, str] = field(default_factory=dict)
     script: tuple[str, ...] = ()  # a one-shot sandbox (``run``): this script and its arguments, no tools
+    read_only: tuple[str, ...] = ()  # host directories bound read-only at their own paths (a harness's env_dir)
 
 
 class Sandbox(Protocol):

@@ -201,6 +201,8 @@ def bwrap_argv(
         argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     argv += _layout(tmp_size_bytes(spec), hide, check_access=uid is not None)
+    for path in spec.read_only:
+        argv += ["--ro-bind", path, path]
     argv += ["--bind", socket_dir, INNER_SOCKET_DIR, "--bind", spec.workspace, INNER_WORKSPACE]
     argv += ["--chdir", INNER_WORKSPACE]
     argv += ["--remount-ro", "/", "--hostname", "sandbox"]
@@ -246,6 +248,8 @@ def fork_mount_plan(spec: SandboxSpec, socket_dir: str, hide: tuple[str, ...]) -
         plan += [["dir", path]] if step == "dir" else [["dir", path], ["ro-bind", HOST_VIEW + path, path]]
     for path in hidden_paths(hide, list(PRIVATE_PER_SANDBOX)):
         plan.append(["tmpfs", "4096", "755", path])
+    for path in spec.read_only:
+        plan += [["dir", path], ["ro-bind", HOST_VIEW + os.path.realpath(path), path]]
     plan += [["dir", INNER_SOCKET_DIR], ["bind", HOST_VIEW + os.path.realpath(socket_dir), INNER_SOCKET_DIR],
              ["bind", HOST_VIEW + os.path.realpath(spec.workspace), INNER_WORKSPACE],
              ["proc", "/proc"], ["devpts", "/dev/pts"], ["detach", HOST_VIEW]]

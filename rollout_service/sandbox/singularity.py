@@ -61,6 +61,8 @@ def singularity_argv(spec: SandboxSpec, image: str, socket_dir: str) -> list[str
     options = [*CONTAINMENT_FLAGS, "--pwd", INNER_WORKSPACE]
     for key, value in sorted(spec.env.items()):
         options += ["--env", f"{key}={value}"]
+    for path in spec.read_only:
+        options += ["--bind", f"{path}:{path}:ro"]
     command = [RUNTIME_PYTHON, *server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, [RUNTIME_PACKAGES], run_site=True)]
     argv = client._init_command("exec")
     argv += client._generate_bind_list([f"{spec.workspace}:{INNER_WORKSPACE}", f"{socket_dir}:{INNER_SOCKET_DIR}"])
