@@ -20,7 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError
+from celery.worker import state as worker_state
+
+from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError, SandboxError
 from rollout_service.metrics_recording import Increments
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
@@ -149,7 +151,7 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
     deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
     leases.hold(job_id, owner)
     ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index, blobs)
-    end = StageEnd(job_id, owner)
+    end: Optional[StageEnd] = StageEnd(job_id, owner)
     try:
         if attempts > settings.max_redeliveries:
             raise RedeliveryLimit(
@@ -159,9 +161,17 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
             raise DeadlineExceeded(f"job deadline passed before {name} started; "
                                    "raise timeouts.job_s or add workers for this queue")
         yield ctx
+        assert end is not None
         end.fields, end.blobs, end.finish = {f"{name}_end": time.time(), **ctx.end_fields}, ctx.results, ctx.finish_as
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
+    except SandboxError as exc:
+        if worker_state.should_stop is None and worker_state.should_terminate is None:
+            log.warning("job %s failed in %s: %s", job_id, name, exc)
+            _end_failed(store, job_id, name, exc)
+        else:  # the worker's stop (Slurm signals every process, sandboxes too): its lease lapses, recovery re-sends
+            log.warning("job %s left to recovery: its sandbox failed as this worker stops: %s", job_id, exc)
+            end = None
     except RolloutError as exc:
         log.warning("job %s failed in %s: %s", job_id, name, exc)
         _end_failed(store, job_id, name, exc)
@@ -170,7 +180,8 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
         _end_failed(store, job_id, name, exc)
     finally:
         leases.drop(job_id)
-        ended.append(end)
+        if end is not None:
+            ended.append(end)
 
 
 def mark_trajectory_cancelled(store: JobStore, job_id: str, trajectory: Optional[dict[str, Any]]) -> None:
