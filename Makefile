@@ -8,6 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 SMOLLM2_STAMP := $(VENV)/.smollm2
+SLURM_STAMP := $(VENV)/.slurm
+SLURM_APT_PACKAGES := slurm-wlm munge
 TRAINERS_STAMP := $(VENV)/.trainers
 
 HARNESS_DIR ?= .harnesses
@@ -58,7 +60,16 @@ $(HARNESS_STAMP): $(STAMP)
 		$(addprefix --package ,$(HARNESS_PACKAGES))
 	@touch $@
 
-test: $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP) $(HARNESS_STAMP)
+# a single-node Slurm for tests/test_slurm.py (its fixture starts munged, slurmctld and slurmd)
+$(SLURM_STAMP): $(STAMP)
+	@missing=""; for p in $(SLURM_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+		else echo "missing system packages:$$missing (install them with: sudo apt-get install$$missing)"; fi; \
+	fi
+	@touch $@
+
+test: $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP) $(HARNESS_STAMP) $(SLURM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
