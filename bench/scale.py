@@ -35,7 +35,7 @@ import httpx  # noqa: E402
 
 from rollout_service.client import RolloutClient  # noqa: E402
 from rollout_service.errors import DeadlineExceeded  # noqa: E402
-from rollout_service.redis_server import free_port  # noqa: E402
+from rollout_service.redis_server import RedisServer, free_port  # noqa: E402
 from rollout_service.tiny_model import build_tiny_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,6 +263,37 @@ def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], star
             }) + "\n")
 
 
+def command_stats(url: str) -> dict[str, tuple[int, int]]:
+    """command -> (calls, µs of Redis CPU) so far, from INFO commandstats."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return {name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()}
+
+
+def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], turns: int) -> dict[str, Any]:
+    """Commands and µs of Redis CPU per turn between two INFO commandstats, with the top commands."""
+    delta = {name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
+             for name, (calls, usec) in after.items()}
+    delta = {name: d for name, d in delta.items() if d[0] > 0 and name != "info"}
+    top = sorted(delta.items(), key=lambda item: -item[1][1])[:8]
+    return {"commands_per_turn": round(sum(c for c, _ in delta.values()) / turns, 2),
+            "usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
+            "top": {name: {"calls": c, "usec": u} for name, (c, u) in top}}
+
+
+def redis_urls(stack: "Stack") -> dict[str, str]:
+    """The instances the service uses: ``state``, and ``broker`` when it has its own."""
+    urls = {"state": (stack.state / "redis.url").read_text().strip()}
+    if stack.env.get("ROLLOUT_BROKER_URL"):
+        urls["broker"] = stack.env["ROLLOUT_BROKER_URL"]
+    return urls
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         state = Path(args.state_dir or tmp)
@@ -271,6 +302,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sim, sim_url = start_sim(state, tokenizer, args)
         env = {"ROLLOUT_RUN_CONCURRENCY": str(args.run_concurrency or max(args.rollouts, 8))}
         env.update(dict(kv.split("=", 1) for kv in args.env))
+        broker = None
+        if args.broker_redis:
+            broker = RedisServer(state / "broker", appendonly=False).start()
+            env["ROLLOUT_BROKER_URL"] = broker.url
         try:
             (state / "service").mkdir()
             with Stack(state / "service", env, args.run_workers, args.init_workers) as stack, RolloutClient(stack.url, timeout_s=300) as client:
@@ -283,6 +318,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             sim.terminate()
             sim.wait()
+            if broker is not None:
+                broker.stop()
     return {**rounds[0], "later_rounds": rounds[1:]}
 
 
@@ -292,6 +329,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     tree = process_tree(stack.process.pid)
     base_rss = rss_mb(tree)
     cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
+    stats_before = {name: command_stats(url) for name, url in redis_urls(stack).items()}
     bodies = [job_body(args, round_number * args.rollouts + i) for i in range(args.rollouts)]
     httpx.get(f"{sim_url}/lateness")  # forget the warm-up's calls
     started, started_at = time.monotonic(), time.time()
@@ -320,6 +358,8 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     wall_s = time.monotonic() - started
     sim_late_ms = httpx.get(f"{sim_url}/lateness").json()
     cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
+    redis_per_turn = {name: redis_cost(stats_before[name], command_stats(url), args.rollouts * args.turns)
+                      for name, url in redis_urls(stack).items()}
     for profiler in profilers:
         profiler.wait()
     views = [done.get(j) or client.get(j) for j in job_ids]
@@ -387,6 +427,7 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         "machine_busy_cpu_s": round(busy_s, 2),
         "cpu_s": {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in sorted(cpu_after)},
         "peak_rss_mb": round(peak, 1), "rss_per_rollout_mb": round((peak - base_rss) / args.rollouts, 3),
+        "redis_per_turn": redis_per_turn,  # per instance: commands and µs of Redis CPU (INFO commandstats)
     }
 
 
@@ -413,6 +454,10 @@ def report(r: dict[str, Any], round_number: int) -> None:
           f"{r['trajectory_fetch_s']} s")
     print(f"  CPU seconds during the run: {r['cpu_s']}; whole machine {r['machine_busy_cpu_s']}")
     print(f"  peak RSS {r['peak_rss_mb']} MB, {r['rss_per_rollout_mb']} MB per in-flight rollout")
+    for name, cost in r["redis_per_turn"].items():
+        top = ", ".join(f"{c} {v['calls']}" for c, v in cost["top"].items())
+        print(f"  Redis ({name}): {cost['commands_per_turn']} commands and {cost['usec_per_turn']} µs of its CPU "
+              f"per turn (top by CPU: {top})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated")
     parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
+    parser.add_argument("--broker-redis", action="store_true",
+                        help="Celery's queues on a Redis of their own (ROLLOUT_BROKER_URL)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.domain == "code" and not args.sandbox:
