@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from rollout_service.agent import Episode, EpisodeInterrupted, Limits
 from rollout_service.errors import HarnessFailed, RolloutError
-from rollout_service.harness_presets import launch
+from rollout_service.harness_presets import env_dir_inside, launch
 from rollout_service.harness_protocols import ChatError, Generated, all_routes, protocol_for, template_message
 from rollout_service.sandbox.harness_launcher import RESULT_MARKER
 from rollout_service.schemas import FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
@@ -246,7 +246,7 @@ def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_k
     argv = [python, "-c", LAUNCH_BOOTSTRAP.format(path=package_dir),
             "--socket", f"{inner_dir}/{ENDPOINT_SOCKET}", "--stop-file", f"{inner_dir}/{STOP_FILE}",
             "--answer-file", f"{inner_dir}/{ANSWER_FILE}", "--deadline-s", f"{deadline_s:.3f}", "--env-json", json.dumps(env),
-            "--answer-json", json.dumps(run.answer_json), "--env-dir", harness.env_dir or "",
+            "--answer-json", json.dumps(run.answer_json), "--env-dir", env_dir_inside(harness) or "",
             "--", *run.command]
     return shlex.join(argv)
 

@@ -83,7 +83,7 @@ def is_under(path: str, directory: str) -> bool:
 
 def allowed_env_dir(env_dir: str, where: str = "agent.harness.env_dir") -> str:
     """``env_dir`` resolved, if it is an existing directory under a root the operator allows."""
-    if not os.path.isabs(env_dir):
+    if not os.path.isabs(env_dir) or "\x00" in env_dir:
         raise ValidationError(f"{where} must be an absolute path, got {env_dir!r}")
     settings = get_settings()
     resolved = os.path.realpath(env_dir)
@@ -101,6 +101,17 @@ def allowed_env_dir(env_dir: str, where: str = "agent.harness.env_dir") -> str:
         raise ValidationError(f"{where} {shown} does not exist or is not a directory on this machine; "
                               "prepare it with: rollout-service harness install NAME --into DIR")
     return resolved
+
+
+def env_dir_inside(harness: HarnessConfig) -> Optional[str]:
+    """The harness environment's path as bound into the sandbox (symlinks resolved), if it has one."""
+    return os.path.realpath(harness.env_dir) if harness.env_dir else None
+
+
+def read_only_dirs(harness: Optional[HarnessConfig]) -> tuple[str, ...]:
+    """What a job's sandbox binds read-only for its harness."""
+    inside = env_dir_inside(harness) if harness is not None else None
+    return (inside,) if inside else ()
 
 
 def check_harness(harness: HarnessConfig, at: str = "") -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -303,3 +305,28 @@ def test_sixteen_concurrent_harness_jobs_on_local_each_get_their_own_answer_and_
             service.client() as client:
         client.add_backend(url, "vllm", "sixteen", tokenizer=str(tiny_tokenizer_dir))
         run_sixteen(client, directory_env(service.state_dir), url, problems, check_read_only="0")  # no isolation
+
+
+@pytest.mark.parametrize("fork_server", ["1", "0"])
+def test_an_env_dir_under_the_hidden_state_directory_is_bound_read_only(tmp_path, monkeypatch, fork_server):
+    from rollout_service.sandbox import SandboxSpec, create_sandbox
+    from rollout_service.settings import get_settings
+
+    outside_tmp = Path(tempfile.mkdtemp(dir="/var/tmp"))  # /tmp is the sandbox's own
+    try:
+        state = outside_tmp / "state"
+        env = directory_env(state)
+        (state / "jobs.aof").write_text("ground truth")
+        outside_tmp.chmod(0o755)
+        monkeypatch.setenv("ROLLOUT_STATE_DIR", str(state))
+        monkeypatch.setenv("ROLLOUT_SANDBOX_FORK_SERVER", fork_server)
+        get_settings.cache_clear()
+        workspace = tmp_path / "workspace"
+        workspace.mkdir()
+        with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",), read_only=(str(env),))) as box:
+            seen = box.execute("bash", {"command": f"ls {env}/bin; ls {state}; touch {env}/bin/x"}, 30)
+        assert seen["output"].splitlines()[:2] == ["agent", "harnesses"]  # the environment, not the state
+        assert "Read-only file system" in seen["output"] and not (env / "bin" / "x").exists()
+    finally:
+        get_settings.cache_clear()
+        shutil.rmtree(outside_tmp)

@@ -9,6 +9,7 @@ from rollout_service.agent import Agent, Episode, Limits
 from rollout_service.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.green import after_live_work, green_process, in_background
 from rollout_service.harness import ChatSession, harness_messages, new_api_key, run_harness
+from rollout_service.harness_presets import read_only_dirs
 from rollout_service.llm import CALL_GATE, PooledLLM
 from rollout_service.metrics_recording import record_episode
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
@@ -124,7 +125,7 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
                 job_id=job_id, workspace=prepared.workspace, image=prepared.image,
                 tools=tools, memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
                 max_procs=settings.sandbox_max_procs, ttl_s=max(ctx.remaining_s(), 1) + 60,
-                read_only=(harness.env_dir,) if harness is not None and harness.env_dir else ()),
+                read_only=read_only_dirs(harness)),
                 store.redis))
             agent.executor = sandbox
         if session is not None:

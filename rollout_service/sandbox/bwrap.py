@@ -201,8 +201,7 @@ def bwrap_argv(
         argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     argv += _layout(tmp_size_bytes(spec), hide, check_access=uid is not None)
-    for path in spec.read_only:
-        argv += ["--ro-bind", path, path]
+    argv += read_only_mounts(spec.read_only, [*PRIVATE_PER_SANDBOX, *hidden_paths(hide, list(PRIVATE_PER_SANDBOX))])
     argv += ["--bind", socket_dir, INNER_SOCKET_DIR, "--bind", spec.workspace, INNER_WORKSPACE]
     argv += ["--chdir", INNER_WORKSPACE]
     argv += ["--remount-ro", "/", "--hostname", "sandbox"]
@@ -213,6 +212,21 @@ def bwrap_argv(
     if uid is not None:
         argv += ["--user", f"{uid}:{uid}"]
     return argv
+
+
+def read_only_mounts(paths: tuple[str, ...], covered: list[str]) -> list[str]:
+    """``paths`` bound read-only at their own paths; where one lies under a directory the sandbox
+    mounts privately, the directories on the way are made enterable first."""
+    args: list[str] = []
+    for path in paths:
+        base = next((c for c in covered if path.startswith(c.rstrip("/") + "/")), None)
+        if base is not None:
+            parent = Path(path).parent
+            for directory in reversed([parent, *parent.parents]):
+                if len(str(directory)) > len(base):
+                    args += ["--perms", "0755", "--dir", str(directory)]
+        args += ["--ro-bind", path, path]
+    return args
 
 
 def tmp_size_bytes(spec: SandboxSpec) -> str:
