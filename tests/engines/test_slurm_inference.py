@@ -36,7 +36,7 @@ def test_an_inference_job_starts_vllm_on_the_cpus_registers_it_and_serves_jobs(
                     slurm.output(inference)[-3000:]
                 time.sleep(2)
             backend, = client.backends()
-            assert backend.healthy and backend.kind.value == "vllm" and backend.url.endswith(f":{port}")
+            assert backend.healthy and backend.kind == "vllm" and backend.url.endswith(f":{port}")
             job_id, = client.submit({"domain": "math", "problem": f"What is 2 + 2? ({uuid.uuid4().hex[:6]})",
                                      "answer": "4"}, sampling={"max_new_tokens": 16},
                                     agent={"max_turns": 1}).job_ids
