@@ -245,7 +245,8 @@ def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_k
     env = {**run.env, "OPENAI_API_KEY": api_key, "ROLLOUT_MESSAGES_FILE": f"{inner_dir}/{MESSAGES_FILE}"}
     argv = [python, "-c", LAUNCH_BOOTSTRAP.format(path=package_dir),
             "--socket", f"{inner_dir}/{ENDPOINT_SOCKET}", "--stop-file", f"{inner_dir}/{STOP_FILE}",
-            "--answer-file", f"{inner_dir}/{ANSWER_FILE}", "--deadline-s", f"{deadline_s:.3f}", "--env-json", json.dumps(env),
+            "--answer-file", f"{inner_dir}/{ANSWER_FILE}", "--deadline-s", f"{deadline_s:.3f}",
+            "--env-json", json.dumps(env),
             "--answer-json", json.dumps(run.answer_json), "--env-dir", env_dir_inside(harness) or "",
             "--", *run.command]
     return shlex.join(argv)

@@ -139,7 +139,8 @@ def template_message(message: Any, index: int) -> dict[str, Any]:
             where = f"messages[{index}].tool_calls[{k}]"
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ChatError(400, "invalid_request", f'{where} needs {{"type": "function", "function": {{"name", "arguments"}}}}')
+                raise ChatError(400, "invalid_request",
+                                f'{where} needs {{"type": "function", "function": {{"name", "arguments"}}}}')
             calls.append(ToolCall(function["name"], _arguments(function.get("arguments", {}),
                                                                f"{where}.function.arguments")).to_openai())
         out["tool_calls"] = calls
@@ -268,18 +269,22 @@ class AnthropicMessages(Protocol):
         names: dict[str, str] = {}
         for i, message in enumerate(request.messages):
             where = f"messages[{i}].content"
-            blocks = [{"type": "text", "text": message.content}] if isinstance(message.content, str) else message.content
+            blocks = message.content
+            if isinstance(blocks, str):
+                blocks = [{"type": "text", "text": blocks}]
             texts, calls, results = [], [], []
             for k, block in enumerate(blocks):
                 kind = block.get("type") if isinstance(block, dict) else None
                 if kind == "text":
                     texts.append(str(block.get("text", "")))
                 elif kind == "tool_use" and message.role == "assistant":
-                    call = ToolCall(str(block.get("name") or ""), _arguments(block.get("input", {}), f"{where}[{k}].input"))
+                    arguments = _arguments(block.get("input", {}), f"{where}[{k}].input")
+                    call = ToolCall(str(block.get("name") or ""), arguments)
                     names[str(block.get("id"))] = call.name
                     calls.append(call.to_openai())
                 elif kind == "tool_result" and message.role == "user":
-                    result = {"role": "tool", "content": _text(block.get("content"), f"{where}[{k}].content", ("text",))}
+                    text = _text(block.get("content"), f"{where}[{k}].content", ("text",))
+                    result = {"role": "tool", "content": text}
                     if str(block.get("tool_use_id")) in names:
                         result["name"] = names[str(block.get("tool_use_id"))]
                     results.append(result)

@@ -208,7 +208,8 @@ def test_the_messages_file_holds_the_task_without_the_built_in_agents_instructio
 
 def test_a_missing_program_is_named_once_with_where_it_was_looked_for(harness_client, harness_env, backend):
     backend({"episodes": [{"match": "x", "turns": ["x"]}]}, "missing")
-    job_id, = harness_client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"}, sampling={"model": "missing"},
+    job_id, = harness_client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"},
+                                    sampling={"model": "missing"},
                                     agent={"harness": {"command": ["no-such-agent", "-c", "SCRIPT-TEXT " * 50],
                                                        "env_dir": str(harness_env)}}).job_ids
     view, = harness_client.wait([job_id], timeout_s=120)
@@ -285,7 +286,8 @@ def run_sixteen(client: RolloutClient, env: Path, url: str, problems: list[tuple
 
 def sixteen_problems() -> tuple[dict, list[tuple[str, int]]]:
     problems = [(f"What is {n} + {n + 1}? ({uuid.uuid4().hex[:6]})", 2 * n + 1) for n in range(16)]
-    return {"episodes": [{"match": text, "turns": [f"It is \\boxed{{{total}}}."]} for text, total in problems]}, problems
+    episodes = [{"match": text, "turns": [f"It is \\boxed{{{total}}}."]} for text, total in problems]
+    return {"episodes": episodes}, problems
 
 
 def test_sixteen_concurrent_harness_jobs_on_bwrap_each_get_their_own_answer_and_reward(
@@ -330,3 +332,11 @@ def test_an_env_dir_under_the_hidden_state_directory_is_bound_read_only(tmp_path
     finally:
         get_settings.cache_clear()
         shutil.rmtree(outside_tmp)
+
+
+def test_harness_install_of_an_unknown_name_without_packages_says_what_to_give(capsys):
+    from rollout_service.cli import main
+
+    assert main(["harness", "install", "no-such-agent"]) == 2
+    assert "'no-such-agent' is not a preset (valid: mini-swe-agent); name the packages to install with --package" \
+        in capsys.readouterr().err

@@ -130,8 +130,9 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
             agent.executor = sandbox
         if session is not None:
             own_system_prompt = request.agent.system_prompt is not None or "system_prompt" in request.task
-            episode = run_harness(sandbox.ready(), session, harness, harness_messages(prepared.messages, own_system_prompt),
-                                  ctx.deadline_at, lambda: store.cancel_requested(job_id), model=prepared.model)
+            messages = harness_messages(prepared.messages, own_system_prompt)
+            episode = run_harness(sandbox.ready(), session, harness, messages, ctx.deadline_at,
+                                  lambda: store.cancel_requested(job_id), model=prepared.model)
         else:
             episode = agent.run(prepared.prompt_ids, prepared.messages)
         episode_end = time.time()

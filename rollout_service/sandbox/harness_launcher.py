@@ -107,7 +107,8 @@ def locate(program: str, path: str, env_dir: Optional[str]) -> tuple[Optional[st
     """(the program's path, "") or (None, why it cannot be run: what was looked for, and where)."""
     if "/" in program:
         found = program if os.path.isfile(program) and os.access(program, os.X_OK) else None
-        return found, "" if found else f"the harness program {program} does not exist in the sandbox or is not executable"
+        missing = f"the harness program {program} does not exist in the sandbox or is not executable"
+        return found, "" if found else missing
     found = shutil.which(program, path=path)
     if found:
         return found, ""
