@@ -340,3 +340,18 @@ def test_harness_install_of_an_unknown_name_without_packages_says_what_to_give(c
     assert main(["harness", "install", "no-such-agent"]) == 2
     assert "'no-such-agent' is not a preset (valid: mini-swe-agent); name the packages to install with --package" \
         in capsys.readouterr().err
+
+
+def test_a_singularity_sandbox_binds_the_env_dir_read_only_at_its_path(tmp_path, monkeypatch):
+    from rollout_service.sandbox import SandboxSpec
+    from rollout_service.sandbox.singularity import singularity_argv
+
+    binary = tmp_path / "bin" / "singularity"  # only its name is looked up
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\nexit 1\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{binary.parent}:{os.environ['PATH']}")
+    env = directory_env(tmp_path)
+    argv = singularity_argv(SandboxSpec("j", str(tmp_path), read_only=(str(env),)), "/images/x.sif", str(tmp_path))
+    assert argv[argv.index(f"{env}:{env}:ro") - 1] == "--bind"
+    assert argv.index(f"{env}:{env}:ro") < argv.index("/images/x.sif")
