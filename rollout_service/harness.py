@@ -27,7 +27,9 @@ from typing import Any, Callable, Mapping, Optional
 from rollout_service.agent import Episode, EpisodeInterrupted, Limits
 from rollout_service.errors import HarnessFailed, RolloutError
 from rollout_service.harness_presets import env_dir_inside, launch
-from rollout_service.harness_protocols import ChatError, Generated, all_routes, protocol_for, template_message
+from rollout_service.harness_protocols import (
+    ChatError, Generated, all_routes, protocol_for, server_sent, template_message,
+)
 from rollout_service.sandbox.harness_launcher import RESULT_MARKER
 from rollout_service.schemas import FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
 from rollout_service.tokens import ChatRenderer
@@ -45,6 +47,7 @@ MESSAGES_FILE = "messages.json"
 ANSWER_FILE = "answer"  # in the sandbox's own socket directory: one per attempt, removed with it
 WATCH_INTERVAL_S = 0.25
 LAUNCHER_GRACE_S = 30.0
+JSON = {"Content-Type": "application/json"}
 NO_RETRY = {"x-should-retry": "false"}  # the OpenAI and Anthropic SDKs retry 409s and 5xx without it
 LAUNCH_BOOTSTRAP = (
     "import sys; sys.path[0] = {path!r}; "
@@ -71,8 +74,8 @@ class ChatSession:
     _previous: Optional[tuple[list[dict[str, Any]], Any, list[int]]] = None  # messages, tools, generated
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def handle(self, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, dict[str, Any], dict[str, str]]:
-        """(status, body, extra headers) of one HTTP call."""
+    def handle(self, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
+        """(status, body, headers) of one HTTP call: JSON, or server-sent events for ``stream: true``."""
         protocol = protocol_for(path)
         try:
             if protocol is None:
@@ -84,14 +87,18 @@ class ChatSession:
             with self._lock:
                 call = protocol.parse(body, self.responses)
                 generated = self.generate(call.messages, call.tools, call.max_tokens)
-                return 200, protocol.answer(call, generated, self.responses), {}
+                answer = protocol.answer(call, generated, self.responses)
+            if call.stream:
+                return 200, server_sent(protocol.events(answer)), {"Content-Type": "text/event-stream"}
+            return 200, json.dumps(answer).encode(), JSON
         except ChatError as exc:
-            return exc.status, (protocol or protocol_for("/v1/chat/completions")).error(exc), NO_RETRY
+            error = exc
         except Exception as exc:  # a bug: the job fails with it once the harness is stopped
             self.failure = self.failure or exc
             log.exception("harness endpoint failed")
             error = ChatError(500, "internal_error", f"{type(exc).__name__}: {exc}")
-            return 500, (protocol or protocol_for("/v1/chat/completions")).error(error), NO_RETRY
+        doc = (protocol or protocol_for("/v1/chat/completions")).error(error)
+        return error.status, json.dumps(doc).encode(), {**JSON, **NO_RETRY}
 
     def generate(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
                  asked: Optional[int]) -> Generated:
@@ -188,13 +195,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(*self.server.session.handle(self.path, headers, self.rfile.read(length)))
 
     def do_GET(self) -> None:
-        self._send(404, {"error": {"message": f"this endpoint serves {all_routes()}", "type": "invalid_request_error",
-                                   "param": None, "code": "not_found"}}, NO_RETRY)
+        doc = {"error": {"message": f"this endpoint serves {all_routes()}", "type": "invalid_request_error",
+                         "param": None, "code": "not_found"}}
+        self._send(404, json.dumps(doc).encode(), {**JSON, **NO_RETRY})
 
-    def _send(self, status: int, doc: dict[str, Any], headers: Mapping[str, str]) -> None:
-        payload = json.dumps(doc).encode()
+    def _send(self, status: int, payload: bytes, headers: Mapping[str, str]) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         for key, value in headers.items():
             self.send_header(key, value)

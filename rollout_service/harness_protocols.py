@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pydantic
@@ -50,7 +50,7 @@ class Call:
     tools: Optional[list[dict[str, Any]]]
     max_tokens: Optional[int]
     model: Optional[str]
-    extra: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
 
 
 def _text(content: Any, where: str, kinds: tuple[str, ...] = ("text", "input_text", "output_text")) -> str:
@@ -115,6 +115,10 @@ class Protocol:
     def answer(self, call: Call, generated: Generated, memory: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def events(self, answer: dict[str, Any]) -> list[tuple[Optional[str], Any]]:
+        """The answer as the server-sent events a streaming client expects: (event name, data)."""
+        raise NotImplementedError
+
     def error(self, error: ChatError) -> dict[str, Any]:
         kind = "invalid_request_error" if error.status < 500 else "server_error"
         message = error.message
@@ -154,7 +158,7 @@ class ChatCompletions(Protocol):
     def parse(self, body: bytes, memory: dict[str, list[dict[str, Any]]]) -> Call:
         request = _validated(ChatCompletionRequest, body)
         return Call([template_message(m, i) for i, m in enumerate(request.messages)], request.tools or None,
-                    request.max_completion_tokens or request.max_tokens, request.model)
+                    request.max_completion_tokens or request.max_tokens, request.model, request.stream)
 
     def answer(self, call: Call, generated: Generated, memory: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         reply = generated.reply
@@ -169,6 +173,21 @@ class ChatCompletions(Protocol):
                 "choices": [{"index": 0, "message": message, "finish_reason": generated.finish, "logprobs": None}],
                 "usage": {"prompt_tokens": generated.prompt_tokens, "completion_tokens": generated.completion_tokens,
                           "total_tokens": generated.prompt_tokens + generated.completion_tokens}}
+
+
+    def events(self, answer: dict[str, Any]) -> list[tuple[Optional[str], Any]]:
+        head = {key: answer[key] for key in ("id", "created", "model")}
+        choice, message = answer["choices"][0], answer["choices"][0]["message"]
+
+        def chunk(delta: dict[str, Any], finish: Optional[str] = None, **more: Any) -> tuple[Optional[str], Any]:
+            return None, {**head, "object": "chat.completion.chunk",
+                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **more}
+
+        chunks = [chunk({"role": "assistant", "content": message["content"] or ""})]
+        if message.get("tool_calls"):
+            chunks.append(chunk({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}))
+        chunks.append(chunk({}, choice["finish_reason"], usage=answer["usage"]))
+        return [*chunks, (None, "[DONE]")]
 
 
 class Responses(Protocol):
@@ -204,7 +223,7 @@ class Responses(Protocol):
                                                             "only function tools")
                 tools.append(_function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"),
                                             f"tools[{k}]"))
-        return Call(messages, tools, request.max_output_tokens, request.model)
+        return Call(messages, tools, request.max_output_tokens, request.model, request.stream)
 
     @staticmethod
     def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
@@ -255,6 +274,33 @@ class Responses(Protocol):
                           "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
+    def events(self, answer: dict[str, Any]) -> list[tuple[Optional[str], Any]]:
+        events: list[tuple[Optional[str], Any]] = []
+
+        def event(kind: str, **data: Any) -> None:
+            events.append((kind, {"type": kind, "sequence_number": len(events), **data}))
+
+        event("response.created", response={**answer, "status": "in_progress", "output": [], "usage": None})
+        for index, item in enumerate(answer["output"]):
+            at = {"output_index": index, "item_id": item["id"]}
+            if item["type"] == "message":
+                event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                               "content": []})
+                part = item["content"][0]
+                event("response.content_part.added", **at, content_index=0, part={**part, "text": ""})
+                event("response.output_text.delta", **at, content_index=0, delta=part["text"], logprobs=[])
+                event("response.output_text.done", **at, content_index=0, text=part["text"], logprobs=[])
+                event("response.content_part.done", **at, content_index=0, part=part)
+            else:
+                event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                               "arguments": ""})
+                event("response.function_call_arguments.delta", **at, delta=item["arguments"])
+                event("response.function_call_arguments.done", **at, arguments=item["arguments"])
+            event("response.output_item.done", output_index=index, item=item)
+        event("response.incomplete" if answer["status"] == "incomplete" else "response.completed", response=answer)
+        return events
+
+
 class AnthropicMessages(Protocol):
     """``POST /v1/messages``: ``system``, text / tool_use / tool_result blocks, tools with ``input_schema``."""
 
@@ -303,7 +349,7 @@ class AnthropicMessages(Protocol):
         if request.tools:
             tools = [_function_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{k}]")
                      for k, t in enumerate(request.tools)]
-        return Call(messages, tools, request.max_tokens, request.model)
+        return Call(messages, tools, request.max_tokens, request.model, request.stream)
 
     def answer(self, call: Call, generated: Generated, memory: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
@@ -315,6 +361,28 @@ class AnthropicMessages(Protocol):
         return {"id": _new_id("msg_"), "type": "message", "role": "assistant", "model": call.model or "rollout",
                 "content": content, "stop_reason": stop, "stop_sequence": None,
                 "usage": {"input_tokens": generated.prompt_tokens, "output_tokens": generated.completion_tokens}}
+
+    def events(self, answer: dict[str, Any]) -> list[tuple[Optional[str], Any]]:
+        events: list[tuple[Optional[str], Any]] = []
+
+        def event(kind: str, **data: Any) -> None:
+            events.append((kind, {"type": kind, **data}))
+
+        event("message_start", message={**answer, "content": [], "stop_reason": None,
+                                        "usage": {**answer["usage"], "output_tokens": 0}})
+        for index, block in enumerate(answer["content"]):
+            if block["type"] == "text":
+                event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                event("content_block_delta", index=index, delta={"type": "text_delta", "text": block["text"]})
+            else:
+                event("content_block_start", index=index, content_block={**block, "input": {}})
+                event("content_block_delta", index=index,
+                      delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+            event("content_block_stop", index=index)
+        event("message_delta", delta={"stop_reason": answer["stop_reason"], "stop_sequence": None},
+              usage={"output_tokens": answer["usage"]["output_tokens"]})
+        event("message_stop")
+        return events
 
     def error(self, error: ChatError) -> dict[str, Any]:
         kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -329,6 +397,14 @@ class AnthropicMessages(Protocol):
 
 PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (ChatCompletions(), Responses(), AnthropicMessages())}
 ROUTES: dict[str, Protocol] = {route: p for p in PROTOCOLS.values() for route in p.routes}
+
+
+def server_sent(events: list[tuple[Optional[str], Any]]) -> bytes:
+    lines = []
+    for name, data in events:
+        payload = data if isinstance(data, str) else json.dumps(data)
+        lines.append((f"event: {name}\n" if name else "") + f"data: {payload}\n\n")
+    return "".join(lines).encode()
 
 
 def protocol_for(path: str) -> Optional[Protocol]:

@@ -322,6 +322,9 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
+STREAM_DESCRIPTION = "true: the answer as server-sent events, sent once the whole generation is made"
+
+
 class ChatCompletionRequest(BaseModel):
     """The OpenAI chat.completions request a harness sends (unknown OpenAI options are ignored).
     The job's own ``sampling`` is what generates: the trainer, not the harness, owns the policy's
@@ -339,14 +342,7 @@ class ChatCompletionRequest(BaseModel):
     stop: Optional[str | list[str]] = None
     seed: Optional[int] = None
     n: int = Field(1, ge=1, le=1, description="one choice per call")
-    stream: bool = Field(False, description="must be false: streaming is not supported")
-
-    @field_validator("stream")
-    @classmethod
-    def _not_streaming(cls, stream: bool) -> bool:
-        if stream:
-            raise ValueError("streaming is not supported; send stream=false (or leave it out)")
-        return stream
+    stream: bool = Field(False, description=STREAM_DESCRIPTION)
 
 
 class ResponsesRequest(BaseModel):
@@ -361,9 +357,7 @@ class ResponsesRequest(BaseModel):
     tools: Optional[list[dict[str, Any]]] = None
     max_output_tokens: Optional[int] = Field(None, gt=0)
     previous_response_id: Optional[str] = None
-    stream: bool = Field(False, description="must be false: streaming is not supported")
-
-    _not_streaming = field_validator("stream")(ChatCompletionRequest._not_streaming.__func__)
+    stream: bool = Field(False, description=STREAM_DESCRIPTION)
 
 
 class AnthropicMessage(BaseModel):
@@ -381,9 +375,7 @@ class MessagesRequest(BaseModel):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Optional[str | list[dict[str, Any]]] = None
     tools: Optional[list[dict[str, Any]]] = None
-    stream: bool = Field(False, description="must be false: streaming is not supported")
-
-    _not_streaming = field_validator("stream")(ChatCompletionRequest._not_streaming.__func__)
+    stream: bool = Field(False, description=STREAM_DESCRIPTION)
 
 
 class TrajectoriesResponse(BaseModel):

@@ -68,7 +68,7 @@ def status(body, key=os.environ["OPENAI_API_KEY"]):
         return [error.code, json.load(error)["error"]["message"]]
 
 hello = [{"role": "user", "content": "hello"}]
-print(json.dumps({"stream": status({"messages": hello, "stream": True}), "no_messages": status({"model": "m"}),
+print(json.dumps({"n": status({"messages": hello, "n": 2}), "no_messages": status({"model": "m"}),
                   "wrong_key": status({"messages": hello}, key="not-the-key")}))
 '''
 
@@ -120,7 +120,7 @@ def test_bad_chat_requests_get_4xx_answers_that_name_the_problem(client, scripte
 
     assert view.status.value == "completed", view.error
     seen = json.loads(view.result["artifact"]["answer"])  # the harness's last stdout line
-    assert seen["stream"][0] == 400 and "stream" in seen["stream"][1]
+    assert seen["n"][0] == 400 and "n: " in seen["n"][1]
     assert seen["no_messages"][0] == 400 and "messages" in seen["no_messages"][1]
     assert seen["wrong_key"][0] == 401 and "API key" in seen["wrong_key"][1]
     assert client.trajectory(job_id).turns == []
@@ -155,9 +155,9 @@ def test_a_harness_without_a_usable_command_is_refused_at_submission(service, ha
     assert f"agent.harness.{problem.split('[')[0]}" in response.json()["error"]["message"]
 
 
-def test_the_chat_request_model_refuses_streaming():
-    with pytest.raises(ValueError, match="streaming is not supported"):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stream": True})
+def test_the_chat_request_model_takes_one_choice_per_call():
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "n": 2})
     assert HarnessConfig(command=["python", "a.py"]).env == {}
 
 

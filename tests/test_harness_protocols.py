@@ -1,11 +1,13 @@
-"""The job endpoint's error answers, seen through the real OpenAI and Anthropic SDKs over its Unix
-socket: an ended episode is a 409 the SDKs do not retry, an over-long context is the error each
-SDK (and LiteLLM) recognises, and a bad request names its field."""
+"""The job endpoint seen through the real OpenAI and Anthropic SDKs over its Unix socket: streamed
+answers round-trip tool calls token-exactly against a scripted server, an ended episode is a 409 the
+SDKs do not retry, an over-long context is the error each SDK (and LiteLLM) recognises, and a bad
+request names its field."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import anthropic
 import httpx
@@ -15,7 +17,10 @@ import pytest
 
 from rollout_service.agent import Limits
 from rollout_service.harness import ChatSession, EndpointServer, new_api_key
-from rollout_service.schemas import FinishReason
+from rollout_service.inference import make_client
+from rollout_service.schemas import FinishReason, Sampling
+from rollout_service.trajectory import TrajectoryBuilder
+from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 
@@ -129,3 +134,95 @@ def test_a_wrong_key_is_a_401_for_both_sdks(endpoint):
         messages.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert raised.value.body["error"]["type"] == "authentication_error"
     assert endpoint.requests == 2
+
+
+class ScriptedLLM:
+    """The job's LLM reduced to one scripted server: each call generated there and recorded."""
+
+    def __init__(self, url: str) -> None:
+        self.client = make_client("vllm", url, "scripted")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
+        generation = self.client.generate(prompt_ids, Sampling(), max_new_tokens, 60.0)
+        record.add_generation(generation.token_ids, generation.logprobs, backend_id="scripted", policy_version=0,
+                              finish_reason=generation.finish_reason, latency_s=generation.latency_s)
+        return generation.token_ids
+
+
+def tool_call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+@pytest.fixture
+def scripted_endpoint(endpoint, scripted_server) -> Callable[[str], str]:
+    """``scripted_endpoint(problem) -> url``: the endpoint's session generating from a scripted server."""
+    def start(problem: str) -> str:
+        url = scripted_server({"episodes": [{"match": problem, "turns": [
+            "Let me check.\n" + tool_call("shell", command="echo hi"), "It is 4."]}]})
+        endpoint.session.llm = ScriptedLLM(url)
+        endpoint.session.limits.max_model_len, endpoint.session.limits.max_new_tokens = None, 256
+        return url
+
+    return start
+
+
+def assert_recorded_exactly(session: ChatSession, url: str) -> None:
+    trajectory = session.build(FinishReason.finished)
+    assert trajectory.segments == [] and [t.kind for t in trajectory.turns] == ["generation", "observation",
+                                                                                 "generation"]
+    assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(url))
+    assert trajectory.messages[-3]["tool_calls"] == [
+        {"type": "function", "function": {"name": "shell", "arguments": {"command": "echo hi"}}}]
+
+
+def test_streamed_chat_completions_round_trip_a_tool_call(endpoint, scripted_endpoint):
+    url = scripted_endpoint(problem := "Streamed chat: 2 + 2?")
+    client = endpoint.openai()
+    messages: list[dict] = [{"role": "user", "content": problem}]
+    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True))
+    call = chunks[1].choices[0].delta.tool_calls[0]
+    assert chunks[0].choices[0].delta.content == "Let me check." and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("shell", {"command": "echo hi"})
+    messages += [{"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "shell", "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "hi\n"}]
+    final = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in final) == "It is 4."
+    assert final[-1].usage.completion_tokens > 0
+    assert_recorded_exactly(endpoint.session, url)
+
+
+def test_streamed_responses_round_trip_a_tool_call(endpoint, scripted_endpoint):
+    url = scripted_endpoint(problem := "Streamed responses: 2 + 2?")
+    client = endpoint.openai()
+    tools = [{"type": "function", "name": "shell", "parameters": TOOLS[0]["function"]["parameters"]}]
+    with client.responses.stream(model="m", input=problem, tools=tools) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+    call = next(item for item in first.output if item.type == "function_call")
+    assert first.output_text == "Let me check." and json.loads(call.arguments) == {"command": "echo hi"}
+    with client.responses.stream(model="m", previous_response_id=first.id, tools=tools, input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": "hi\n"}]) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == "It is 4." and final.status == "completed"
+    assert_recorded_exactly(endpoint.session, url)
+
+
+def test_streamed_anthropic_messages_round_trip_a_tool_call(endpoint, scripted_endpoint):
+    url = scripted_endpoint(problem := "Streamed messages: 2 + 2?")
+    client = endpoint.anthropic()
+    tools = [{"name": "shell", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages: list[dict] = [{"role": "user", "content": problem}]
+    with client.messages.stream(model="m", max_tokens=64, messages=messages, tools=tools) as stream:
+        first = stream.get_final_message()
+    text, use = first.content
+    assert (text.text, use.name, use.input, first.stop_reason) == ("Let me check.", "shell", {"command": "echo hi"},
+                                                                  "tool_use")
+    messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hi\n"}]}]
+    with client.messages.stream(model="m", max_tokens=64, messages=messages, tools=tools) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == "It is 4." and final.stop_reason == "end_turn"
+    assert_recorded_exactly(endpoint.session, url)
