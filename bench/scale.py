@@ -264,25 +264,38 @@ def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], star
 
 
 def command_stats(url: str) -> dict[str, tuple[int, int]]:
-    """command -> (calls, µs of Redis CPU) so far, from INFO commandstats."""
+    """command -> (calls, µs) so far, from INFO commandstats; ``cpu`` -> (0, µs of CPU the server's
+    main thread used, from INFO cpu) and ``reads`` -> (read events it processed: round trips, 0)."""
     import redis
 
     client = redis.Redis.from_url(url)
     try:
-        stats = client.info("commandstats")
+        stats, cpu, counts = client.info("commandstats"), client.info("cpu"), client.info("stats")
     finally:
         client.close()
-    return {name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()}
+    used_s = cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]
+    return {**{name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()},
+            "cpu": (0, int(used_s * 1e6)), "reads": (int(counts["total_reads_processed"]), 0)}
+
+
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 
 
 def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], turns: int) -> dict[str, Any]:
-    """Commands and µs of Redis CPU per turn between two INFO commandstats, with the top commands."""
+    """Per turn between two ``command_stats``: commands (a script counts once, and so does each
+    command it runs), µs of the server's CPU (its main thread: commands, scripts, client I/O,
+    housekeeping), and every command by its commandstats µs (a script's µs include those of
+    the commands it runs, which are also counted under their own names)."""
     delta = {name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
              for name, (calls, usec) in after.items()}
+    cpu_usec, reads = delta.pop("cpu")[1], delta.pop("reads")[0]
     delta = {name: d for name, d in delta.items() if d[0] > 0 and name != "info"}
-    top = sorted(delta.items(), key=lambda item: -item[1][1])[:8]
+    top = sorted(delta.items(), key=lambda item: -item[1][1])
     return {"commands_per_turn": round(sum(c for c, _ in delta.values()) / turns, 2),
-            "usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
+            "usec_per_turn": round(cpu_usec / turns, 2),
+            "commandstats_usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
+            "round_trips_per_turn": round(reads / turns, 2),
+            "script_calls_per_turn": round(sum(delta.get(name, (0, 0))[0] for name in SCRIPT_COMMANDS) / turns, 2),
             "top": {name: {"calls": c, "usec": u} for name, (c, u) in top}}
 
 
@@ -455,9 +468,11 @@ def report(r: dict[str, Any], round_number: int) -> None:
     print(f"  CPU seconds during the run: {r['cpu_s']}; whole machine {r['machine_busy_cpu_s']}")
     print(f"  peak RSS {r['peak_rss_mb']} MB, {r['rss_per_rollout_mb']} MB per in-flight rollout")
     for name, cost in r["redis_per_turn"].items():
-        top = ", ".join(f"{c} {v['calls']}" for c, v in cost["top"].items())
-        print(f"  Redis ({name}): {cost['commands_per_turn']} commands and {cost['usec_per_turn']} µs of its CPU "
-              f"per turn (top by CPU: {top})")
+        top = ", ".join(f"{c} {v['calls']}" for c, v in list(cost["top"].items())[:8])
+        print(f"  Redis ({name}): {cost['commands_per_turn']} commands ({cost['script_calls_per_turn']} script calls, "
+              f"{cost['round_trips_per_turn']} round trips) "
+              f"and {cost['usec_per_turn']} µs of its CPU per turn ({cost['commandstats_usec_per_turn']} µs summed "
+              f"over commandstats; top: {top})")
 
 
 def main(argv: list[str] | None = None) -> int:
