@@ -86,6 +86,18 @@ class AutoPipelineRedis(redis.Redis):
             return waiter.reply
         return reply
 
+    def submit_commands(self, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
+        """Queue plain ``commands`` back to back with the next shared round trip and return at once;
+        calling the result waits for their replies (exceptions in place)."""
+        waiters = [_Waiter(args, {}, _new_event()) for args in commands]
+        self._enqueue(waiters)
+
+        def replies() -> list[Any]:
+            for waiter in waiters:
+                waiter.event.wait()
+            return [waiter.error if waiter.error is not None else waiter.reply for waiter in waiters]
+        return replies
+
     def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
         """Queue ``script`` with the next shared round trip and return at once."""
         self._enqueue([_script_waiter(script, keys, args, None)])
@@ -166,6 +178,21 @@ def submit(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: 
             raise error
         return failed
     return lambda: reply
+
+
+def submit_commands(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
+    """Send plain ``commands`` now and take their replies (exceptions in place) later where the
+    client can (AutoPipelineRedis: they ride the next shared round trip); elsewhere in one pipeline at once."""
+    if isinstance(client, AutoPipelineRedis):
+        return client.submit_commands(commands)
+    pipe = client.pipeline(transaction=False)
+    for args in commands:
+        pipe.execute_command(*args)
+    try:
+        replies = pipe.execute(raise_on_error=False)
+    except Exception as exc:
+        replies = [exc] * len(commands)
+    return lambda: replies
 
 
 def fire(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Optional
 import httpx
 import redis
 
-from rollout_service.autopipeline import fire, submit
+from rollout_service.autopipeline import fire, submit, submit_commands
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView, EngineResult
 from rollout_service.store import scripts_of
@@ -45,8 +45,8 @@ FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_ca
 PROBE_THREADS = 32
 
 _LUA_KEYS = """
-local p = ARGV[1]
-local function key(...) return p .. ':backend:' .. table.concat({...}, ':') end
+local p = ARGV[1] .. ':backend:'
+local function key(a, b) if b then return p .. a .. ':' .. b end return p .. a end
 -- one backend as a flat row: id, url, kind, model, tokenizer, healthy, total, live (false if unknown)
 local function view_row(id)
   local f = redis.call('HMGET', key('info', id), 'url', 'kind', 'model', 'tokenizer', 'healthy',
@@ -94,17 +94,20 @@ redis.call('SREM', key('ids'), id)
 return 1
 """
 
-# acquire(job, model) -> {'ok', view row, version} or an error tuple the client turns into an exception.
+# acquire(job, model) -> {'ok', view row, version, '1' if the job held no backend before} or an error
+# tuple the client turns into an exception.
 _LUA_ACQUIRE = _LUA_KEYS + """
 local function acquire(job, model)
   local job_key = key('job', job)
   local current = redis.call('GET', job_key)
   local current_model = false
   if current then
-    local cur = redis.call('HMGET', key('info', current), 'model', 'healthy')
-    current_model = cur[1]
-    if current_model and cur[2] == '1' and (model == '' or model == current_model) then
-      return {'ok', view_row(current), version()}
+    local f = redis.call('HMGET', key('info', current), 'url', 'kind', 'model', 'tokenizer', 'healthy',
+                         'total_assignments')
+    current_model = f[3]
+    if current_model and f[5] == '1' and (model == '' or model == current_model) then
+      local live = redis.call('ZSCORE', key('heap', current_model), current) or '0'
+      return {'ok', {current, f[1], f[2], f[3], f[4], f[5], f[6], live}, version(), '0'}
     end
   end
   if model == '' then model = current_model or '' end
@@ -126,12 +129,13 @@ local function acquire(job, model)
   local members = redis.call('ZRANGE', heap, 0, -1)
   for _, id in ipairs(members) do
     local info = key('info', id)
-    if redis.call('HGET', info, 'healthy') == '1' then
-      redis.call('ZINCRBY', heap, 1, id)
-      redis.call('HINCRBY', info, 'total_assignments', 1)
+    local f = redis.call('HMGET', info, 'healthy', 'url', 'kind', 'tokenizer')
+    if f[1] == '1' then
+      local live = redis.call('ZINCRBY', heap, 1, id)
+      local total = redis.call('HINCRBY', info, 'total_assignments', 1)
       redis.call('SADD', key('jobs', id), job)
       redis.call('SET', job_key, id)
-      return {'ok', view_row(id), version()}
+      return {'ok', {id, f[2], f[3], model, f[4], '1', total, live}, version(), current and '0' or '1'}
     end
   end
   local urls = {}
@@ -147,19 +151,16 @@ _ACQUIRE = _LUA_ACQUIRE + "return acquire(ARGV[2], ARGV[3])"
 # episode that calls the LLM first ('later' if it recorded none). An 'ok' answer's 4th element is '1'
 # when this call made the job's assignment.
 _START_CALL = _LUA_ACQUIRE + """
-if redis.call('HGET', ARGV[4], 'cancel_requested') == '1' then return {'cancelled'} end
+local job = redis.call('HMGET', ARGV[4], 'cancel_requested', 'first_call_model')
+if job[1] == '1' then return {'cancelled'} end
 local model = ARGV[3]
 if ARGV[5] == '1' then
-  model = redis.call('HGET', ARGV[4], 'first_call_model')
+  model = job[2]
   if not model then return {'later'} end
 end
 if redis.call('EXISTS', key('paused')) == 1 then return {'paused'} end
-local assigned = redis.call('EXISTS', key('job', ARGV[2])) == 1
 local answer = acquire(ARGV[2], model)
-if answer[1] == 'ok' then
-  redis.call('HINCRBY', key('calls'), ARGV[2], 1)
-  answer[4] = assigned and '0' or '1'
-end
+if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), ARGV[2], 1) end
 return answer
 """
 
@@ -173,6 +174,7 @@ if redis.call('SREM', key('jobs', id), job) == 1 then
   local model = redis.call('HGET', key('info', id), 'model')
   if model then redis.call('ZINCRBY', key('heap', model), -1, id) end
 end
+if tonumber(redis.call('HGET', key('calls'), job) or '1') <= 0 then redis.call('HDEL', key('calls'), job) end
 return id
 """
 
@@ -280,10 +282,10 @@ redis.call('HINCRBY', key('calls'), ARGV[2], 1)
 return tonumber(redis.call('GET', key('version')) or '0')
 """
 
-_END_CALL = _LUA_KEYS + """
-local calls = key('calls')
-if redis.call('HINCRBY', calls, ARGV[2], -1) <= 0 then redis.call('HDEL', calls, ARGV[2]) end
-return version()
+# KEYS: the in-flight calls hash, the version key. ARGV: job.
+_END_CALL = """
+if redis.call('HINCRBY', KEYS[1], ARGV[1], -1) <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return redis.call('GET', KEYS[2]) or '0'
 """
 
 
@@ -315,18 +317,6 @@ redis.call('ZREMRANGEBYSCORE', key('gates'), '-inf', now_ms())
 return redis.call('ZCARD', key('gates'))
 """
 
-# A call started under gate ARGV[4]: 'late' (not counted) if that gate is no longer open (released
-# for a pause, or expired: a worker stalled between sending the call and this count); else count it
-# in flight and answer the cancel flag of the job hash ARGV[3] and the backend the job is assigned to.
-# ARGV: prefix, job, job hash key, gate owner.
-_COUNT_CALL = _LUA_GATES + """
-local open_until = redis.call('ZSCORE', key('gates'), ARGV[4])
-if not open_until or tonumber(open_until) < now_ms() then return {'late', ''} end
-redis.call('HINCRBY', key('calls'), ARGV[2], 1)
-local cancelled = redis.call('HGET', ARGV[3], 'cancel_requested') == '1'
-return {cancelled and 'cancelled' or 'ok', redis.call('GET', key('job', ARGV[2])) or ''}
-"""
-
 
 def backend_id_for(url: str) -> str:
     """Deterministic id of the backend at ``url`` (same url, same id, in every process)."""
@@ -341,10 +331,10 @@ class BackendPool:
         self.prefix = prefix
         (self._register, self._remove, self._acquire, self._start_call, self._release, self._set_health,
          self._record_probe, self._reconcile, self._views, self._resume, self._begin_call, self._end_call,
-         self._renew_gate, self._release_gate, self._open_gates, self._count_call, self._weights_loaded) = scripts_of(
+         self._renew_gate, self._release_gate, self._open_gates, self._weights_loaded) = scripts_of(
             redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
             _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL, _RENEW_GATE, _RELEASE_GATE, _OPEN_GATES,
-            _COUNT_CALL, _WEIGHTS_LOADED)
+            _WEIGHTS_LOADED)
         self._lapsed = scripts_of(redis_client, _LAPSED)[0]
 
     def _key(self, *parts: str) -> str:
@@ -564,12 +554,26 @@ class BackendPool:
 
     def end_call(self, job_id: str) -> Callable[[], Optional[int]]:
         """The call is over. Its answer, the policy version when it ended, rides the next shared
-        round trip: read it later (``TrajectoryBuilder`` does when the turn is settled), never wait."""
-        pending = submit(self.redis, self._end_call, args=[self.prefix, job_id])
+        round trip: read it later (``TrajectoryBuilder`` does when the turn is settled), never wait.
+        Harmless for a call that was not counted (its job's count never goes below 0)."""
+        pending = submit(self.redis, self._end_call, keys=[self._key("calls"), self._key("version")], args=[job_id])
 
         def version() -> Optional[int]:
             try:
                 return int(as_text(pending()))
+            except Exception:  # a Redis blip: the turn records its start version only
+                return None
+        return version
+
+    def end_counted_call(self, job_id: str) -> Callable[[], Optional[int]]:
+        """``end_call`` for a call its start's answer says was counted, in two plain commands (its
+        job's count stays at 0 until ``release``)."""
+        pending = submit_commands(self.redis, [("HINCRBY", self._key("calls"), job_id, -1),
+                                               ("GET", self._key("version"))])
+
+        def version() -> Optional[int]:
+            try:
+                return int(as_text(pending()[1] or 0))
             except Exception:  # a Redis blip: the turn records its start version only
                 return None
         return version
@@ -588,13 +592,29 @@ class BackendPool:
 
     def count_call_soon(self, job_id: str, job_key: str, gate_owner: str) -> Callable[[], tuple[str, str]]:
         """Count a call started under ``gate_owner``'s gate, in the next shared round trip. The
-        answer: ``("ok" | "cancelled", backend the job is assigned to)``, counted (``end_call`` ends
-        it), or ``("late", "")``, not counted: the gate had closed, the call must not count."""
-        pending = submit(self.redis, self._count_call, args=[self.prefix, job_id, job_key, gate_owner])
+        answer: ``("ok" | "cancelled", backend the job is assigned to)``, counted (``end_counted_call``
+        ends it), or ``("late", "")``, not counted: the gate had closed (released for a pause, or
+        expired: a worker stalled between sending the call and this count), the call must not count.
+        Plain commands: the count is made with the gate's expiry read, and taken back (at once, by
+        the answer) when the gate was closed."""
+        calls = self._key("calls")
+        pending = submit_commands(self.redis, [
+            ("ZSCORE", self._key("gates"), gate_owner), ("TIME",), ("HINCRBY", calls, job_id, 1),
+            ("HGET", job_key, "cancel_requested"), ("GET", self._key("job", job_id))])
+        answers: list[tuple[str, str]] = []
 
         def answer() -> tuple[str, str]:
-            status, assigned = pending()
-            return as_text(status), as_text(assigned)
+            if not answers:
+                replies = pending()
+                if errors := [reply for reply in replies if isinstance(reply, Exception)]:
+                    raise errors[0]
+                open_until, (seconds, micros), _, cancel, assigned = replies
+                if open_until is None or float(open_until) < int(seconds) * 1000 + int(micros) // 1000:
+                    submit_commands(self.redis, [("HINCRBY", calls, job_id, -1)])
+                    answers.append(("late", ""))
+                else:
+                    answers.append(("cancelled" if as_text(cancel) == "1" else "ok", as_text(assigned or b"")))
+            return answers[0]
         return answer
 
     def inflight_calls(self) -> int:

@@ -21,6 +21,7 @@ from rollout_service.http_pool import Abort, Aborted
 from rollout_service.inference import Generation, InferenceClient, make_client
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.settings import get_settings
+from rollout_service.store import CANCEL_CHANNEL, JobStore, as_text
 from rollout_service.trajectory import TrajectoryBuilder
 
 OUTAGE_POLL_S = 1.0  # while every backend of a job's model is down, how often its call asks for one again
@@ -86,43 +87,74 @@ return flagged
 
 
 class CancelWatcher:
-    """Aborts the in-flight LLM calls of cancelled jobs: one loop per process reads, every
-    ``cancel_check_s`` while calls are in flight, the cancel flags of their jobs in one round trip
-    and aborts the calls of those cancelled (their connections closed: the wait ends at once, and
-    the engine stops generating for a client that left). A call costs a dict entry, no round trip."""
+    """Aborts the in-flight LLM calls of cancelled jobs: one loop per process listens to the cancel
+    messages (``JobStore.request_cancel`` publishes each) and aborts the calls of that job at once
+    (their connections closed: the wait ends, and the engine stops generating for a client that
+    left). It also reads the cancel flags of every in-flight call's job, in one round trip, when it
+    subscribes and every ``cancel_check_s`` after: a message lost with its connection is caught
+    there. A call costs a dict entry, no round trip."""
 
     def __init__(self) -> None:
-        self.calls: dict[Abort, str] = {}
+        self.calls: dict[str, set[Abort]] = {}
+        self.recent: dict[str, float] = {}  # job keys whose cancel message came lately -> when
         self._pid = 0
 
     def watch(self, client: redis.Redis, job_key: str) -> Abort:
         if self._pid != os.getpid():
             self._start(client)
         abort = Abort()
-        self.calls[abort] = job_key
+        self.calls.setdefault(job_key, set()).add(abort)
+        if job_key in self.recent:  # its message came between the call's start and now
+            abort.abort()
         return abort
 
-    def unwatch(self, abort: Abort) -> None:
-        self.calls.pop(abort, None)
+    def unwatch(self, abort: Abort, job_key: str) -> None:
+        aborts = self.calls.get(job_key)
+        if aborts is not None:
+            aborts.discard(abort)
+            if not aborts:
+                del self.calls[job_key]
 
     def _start(self, client: redis.Redis) -> None:
-        self._pid, self.calls = os.getpid(), {}
+        self._pid, self.calls, self.recent = os.getpid(), {}, {}
         interval_s = get_settings().cancel_check_s
         if interval_s > 0:
-            in_background(self._watch_forever, client.register_script(_CANCELLED), interval_s, name="cancel-watcher")
+            in_background(self._watch_forever, client, client.register_script(_CANCELLED), interval_s,
+                          name="cancel-watcher")
 
-    def _watch_forever(self, cancelled: Callable[..., list[int]], interval_s: float) -> None:
+    def _watch_forever(self, client: redis.Redis, cancelled: Callable[..., list[int]], interval_s: float) -> None:
         while True:
-            time.sleep(interval_s)
-            if not self.calls:
-                continue
-            calls = list(self.calls.items())
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                flagged = cancelled(keys=[job_key for _, job_key in calls])
-            except Exception:  # a Redis blip: the next round asks again
-                continue
-            for index in flagged:
-                calls[int(index) - 1][0].abort()
+                pubsub.subscribe(CANCEL_CHANNEL)
+                self._listen(pubsub, cancelled, interval_s)
+            except Exception:  # a Redis blip: subscribe again, and read the flags again
+                time.sleep(min(interval_s, 1.0))
+            finally:
+                with contextlib.suppress(Exception):
+                    pubsub.close()
+
+    def _listen(self, pubsub: redis.client.PubSub, cancelled: Callable[..., list[int]], interval_s: float) -> None:
+        look_at = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= look_at:
+                self._look(cancelled)
+                look_at = now + interval_s
+                self.recent = {key: at for key, at in self.recent.items() if at > now - interval_s}
+            message = pubsub.get_message(timeout=max(look_at - now, 0.001))
+            if message is not None and message["type"] == "message":
+                job_key = JobStore.key(as_text(message["data"]))
+                self.recent[job_key] = time.monotonic()
+                for abort in list(self.calls.get(job_key, ())):
+                    abort.abort()
+
+    def _look(self, cancelled: Callable[..., list[int]]) -> None:
+        job_keys = list(self.calls)
+        if job_keys:
+            for index in cancelled(keys=job_keys):
+                for abort in list(self.calls.get(job_keys[int(index) - 1], ())):
+                    abort.abort()
 
 
 CANCELS = CancelWatcher()
@@ -179,7 +211,7 @@ class PooledLLM:
             else:
                 break
             finally:
-                ended_under = self.pool.end_call(self.job_id)
+                ended_under = self.pool.end_counted_call(self.job_id)
             self._lost(backend, unreachable, again=left is not None)  # not counted in flight while it waits
             left = left or backend.id
         self.down_since = None
@@ -205,7 +237,7 @@ class PooledLLM:
         except (BackendUnreachable, GenerationAborted):
             pass
         finally:
-            ended_under = self.pool.end_call(self.job_id)
+            ended_under = self._end_gated_call(counted)
         status, assigned = counted()
         if status == "cancelled":
             raise EpisodeInterrupted(FinishReason.cancelled)
@@ -216,6 +248,13 @@ class PooledLLM:
                               finish_reason=gen.finish_reason, latency_s=gen.latency_s, moved_from=None,
                               ended_under=ended_under)
         return gen.token_ids
+
+    def _end_gated_call(self, counted: Callable[[], tuple[str, str]]) -> Callable[[], Optional[int]]:
+        try:
+            status, _ = counted()
+        except Exception:  # whether it was counted is unknown: the end that holds either way
+            return self.pool.end_call(self.job_id)
+        return (lambda: None) if status == "late" else self.pool.end_counted_call(self.job_id)
 
     def _call(self, backend: BackendView, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         """One call to ``backend``; a limit it hits ends the episode, an unreachable server raises."""
@@ -236,7 +275,7 @@ class PooledLLM:
             raise EpisodeInterrupted(FinishReason.context_length) from None
         finally:
             if abort is not None:
-                CANCELS.unwatch(abort)
+                CANCELS.unwatch(abort, self.job_key)
 
     def release(self) -> None:
         if self.first_call is not None:

@@ -60,7 +60,7 @@ class Settings:
     llm_connect_retries: int = 2
     backend_probe_interval_s: float = 5.0
     backend_outage_wait_s: float = 180.0  # an LLM call whose model has no healthy backend waits this long for one to come back
-    cancel_check_s: float = 0.25  # a run worker looks for cancelled jobs among its in-flight LLM calls this often, and aborts them
+    cancel_check_s: float = 5.0  # a run worker aborts its LLM calls of a job at its cancel message; it also reads their jobs' cancel flags this often (a message lost with its connection); 0: never
     call_gate_lease_s: float = 1.5  # a green run worker starts later calls without a round trip each while its gate lease holds; 0: never
     pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
     engine_control_timeout_s: float = 30.0  # an engine's answer to pause/resume (plus the pause's `wait`)

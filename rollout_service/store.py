@@ -47,6 +47,7 @@ LIVE_JOBS = f"{PREFIX}:jobs:live"
 JOB_INDEX = f"{PREFIX}:jobs:index"  # zset: job id -> creation sequence number (newest = highest)
 JOB_SEQUENCE = f"{PREFIX}:jobs:seq"
 FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"  # pub/sub: a job id each time a job reaches a terminal state
+CANCEL_CHANNEL = f"{PREFIX}:jobs:cancel"  # pub/sub: a job id each time a job's cancel flag goes up
 STAGES = ("init", "run", "eval")
 TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 VIEW_FIELDS = ("status", "group_id", "batch_id", "created_at", "init_start", "init_end", "run_start",
@@ -67,24 +68,29 @@ def on_job_finished(hook: OnFinished) -> None:
 ENDED_FIELDS = ("status", "finish_reason", "batch_id", "created_at", "init_start", "init_end", "run_start",
                 "run_end", "eval_start", "eval_end", "attempts_init", "attempts_run", "attempts_eval")
 
-_TRANSITION = """
-local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return -1 end
-if cur == 'completed' or cur == 'failed' or cur == 'cancelled' or cur == 'timed_out' then return 0 end
-if ARGV[2] ~= '' then
-  local ok = false
-  for s in string.gmatch(ARGV[2], '[^,]+') do if s == cur then ok = true end end
-  if not ok then return 0 end
+# A status move. KEYS: job hash, live set, finished channel. ARGV from ``o``: status, allowed from
+# (comma-separated, '' any), '1' if terminal, job id, then field, value pairs.
+_MOVE = """
+local function move(o)
+  local cur = redis.call('HGET', KEYS[1], 'status')
+  if not cur then return -1 end
+  if cur == 'completed' or cur == 'failed' or cur == 'cancelled' or cur == 'timed_out' then return 0 end
+  if ARGV[o + 1] ~= '' then
+    local ok = false
+    for s in string.gmatch(ARGV[o + 1], '[^,]+') do if s == cur then ok = true end end
+    if not ok then return 0 end
+  end
+  redis.call('HSET', KEYS[1], 'status', ARGV[o], unpack(ARGV, o + 4))
+  if ARGV[o + 2] == '1' then
+    redis.call('SREM', KEYS[2], ARGV[o + 3])
+    redis.call('PUBLISH', KEYS[3], ARGV[o + 3])
+    return redis.call('HMGET', KEYS[1], ENDED_FIELDS)
+  end
+  return 1
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1])
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ARGV[3] == '1' then
-  redis.call('SREM', KEYS[2], ARGV[4])
-  redis.call('PUBLISH', KEYS[3], ARGV[4])
-  return redis.call('HMGET', KEYS[1], ENDED_FIELDS)
-end
-return 1
 """.replace("ENDED_FIELDS", ", ".join(f"'{name}'" for name in ENDED_FIELDS))
+
+_TRANSITION = _MOVE + "return move(1)"
 
 # Everything a stage checks and records before its body, in one round trip.
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
@@ -99,27 +105,25 @@ if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'s
 if f[2] == '1' then return {'cancelled'} end
 if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
 local attempts = redis.call('HINCRBY', KEYS[1], ARGV[5], 1)
-redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7])
-if skipped then redis.call('HSET', KEYS[1], ARGV[10], ARGV[7]) end
+if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7], ARGV[10], ARGV[7])
+else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7]) end
 return {'ok', f[3], attempts, f[4] or '0'}
 """
 
 _END_STAGE = """
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
 return redis.call('HGET', KEYS[1], 'status')
 """
 
-# KEYS: job hashes. The positions (1-based) of the jobs that do not exist and of those that ended:
-# usually few, so a wait on thousands of jobs reads a short answer.
-_MISSING_AND_ENDED = """
-local missing, ended = {}, {}
-for i, key in ipairs(KEYS) do
-  local s = redis.call('HGET', key, 'status')
-  if not s then missing[#missing + 1] = i
-  elseif s == 'completed' or s == 'failed' or s == 'cancelled' or s == 'timed_out' then ended[#ended + 1] = i end
-end
-return {missing, ended}
+# A stage's end with a move first: {what _TRANSITION answers, the status after}. KEYS: job hash, live
+# set, finished channel, lease. ARGV: lease owner, n, n args of field, value pairs, the move's ARGV.
+_MOVE_AND_END_STAGE = _MOVE + """
+local n = tonumber(ARGV[2])
+local moved = move(n + 3)
+if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, n + 2)) end
+return {moved, redis.call('HGET', KEYS[1], 'status')}
 """
 
 _RENEW_LEASE = """
@@ -249,8 +253,8 @@ class JobStore:
         self.settings = settings or get_settings()
         self.on_finished = _ON_FINISHED if on_finished is None else on_finished
         (self._transition, self._renew_lease, self._begin_stage, self._end_stage,
-         self._missing_and_ended) = scripts_of(client, _TRANSITION, _RENEW_LEASE, _BEGIN_STAGE, _END_STAGE,
-                                               _MISSING_AND_ENDED)
+         self._move_and_end_stage) = scripts_of(client, _TRANSITION, _RENEW_LEASE, _BEGIN_STAGE, _END_STAGE,
+                                                _MOVE_AND_END_STAGE)
 
     @staticmethod
     def key(job_id: str, part: str = "") -> str:
@@ -353,11 +357,19 @@ class JobStore:
         return [None if v is None else v.decode() for v in self._execute(pipe)]
 
     def missing_and_ended(self, job_ids: list[str]) -> tuple[list[str], list[str]]:
-        """The jobs that do not exist and those in a terminal status, in one command."""
+        """The jobs that do not exist and those in a terminal status. A job in the live set has not
+        ended (its terminal move takes it out): one SMISMEMBER answers for those, and only the
+        others' statuses are read (usually few: a wait on thousands of jobs costs one command)."""
         if not job_ids:
             return [], []
-        missing, ended = self._call(self._missing_and_ended, keys=[self.key(j) for j in job_ids])
-        return [job_ids[i - 1] for i in missing], [job_ids[i - 1] for i in ended]
+        live = self._call(self.redis.smismember, LIVE_JOBS, job_ids)
+        others = [job_id for job_id, member in zip(job_ids, live) if not member]
+        if not others:
+            return [], []
+        statuses = self.statuses(others)
+        terminal = {status.value for status in TERMINAL_STATUSES}
+        return ([job_id for job_id, status in zip(others, statuses) if status is None],
+                [job_id for job_id, status in zip(others, statuses) if status in terminal])
 
     def list_jobs(self, status: Optional[JobStatus] = None, group_id: Optional[str] = None,
                   batch_id: Optional[str] = None, limit: int = 100, cursor: Optional[int] = None,
@@ -522,7 +534,11 @@ class JobStore:
         self._call(self.redis.hset, self.key(job_id), mapping={k: "" if v is None else v for k, v in fields.items()})
 
     def request_cancel(self, job_id: str) -> None:
-        self.set_fields(job_id, cancel_requested="1")
+        """Raise the job's cancel flag and tell the run workers (``llm.CancelWatcher``) at once."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.key(job_id), "cancel_requested", "1")
+        pipe.publish(CANCEL_CHANNEL, job_id)
+        self._execute(pipe)
 
     def cancel(self, job_id: str, announce: bool = True) -> bool:
         """Cooperative cancel: raise the job's flag (its next turn or stage start ends it) and end
@@ -579,20 +595,24 @@ class JobStore:
             for name, obj in end.blobs.items():
                 pipe.set(self.key(end.job_id, name), obj if isinstance(obj, Packed) else pack(obj),
                          ex=self.settings.job_ttl_s)
-            if end.finish is not None:
+            fields = [part for name, value in end.fields.items() for part in (name, "" if value is None else value)]
+            lease = self.key(end.job_id, "lease")
+            if end.finish is None:
+                self._end_stage(keys=[self.key(end.job_id), lease], args=[end.owner, *fields], client=pipe)
+            else:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
-                self._transition(keys=keys, args=args, client=pipe)
-            self._end_stage(keys=[self.key(end.job_id), self.key(end.job_id, "lease")], client=pipe,
-                            args=[end.owner, *(part for name, value in end.fields.items()
-                                               for part in (name, "" if value is None else value))])
-            at += len(end.blobs) + (end.finish is not None)
-            positions.append(at)  # the end script's reply follows the job's SETs and its move
+                self._move_and_end_stage(keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args],
+                                         client=pipe)
+            at += len(end.blobs)
+            positions.append(at)  # the end script's reply follows the job's SETs
             at += 1
         answers = self._execute(pipe)
-        moved = {end.job_id: answers[at - 1] for end, at in zip(ends, positions) if end.finish is not None}
+        replies = [answers[at] for at in positions]
+        moved = {end.job_id: reply[0] for end, reply in zip(ends, replies) if end.finish is not None}
         self._ended({job_id: ended for job_id, result in moved.items()
                      if (ended := self._moved_fields(result)) is not None}, announce=True, finished=finished)
-        return [None if answers[at] is None else JobStatus(as_text(answers[at])) for at in positions]
+        statuses = [reply[1] if end.finish is not None else reply for end, reply in zip(ends, replies)]
+        return [None if status is None else JobStatus(as_text(status)) for status in statuses]
 
     @staticmethod
     def _moved_fields(result: Any) -> Optional[dict[str, str]]:

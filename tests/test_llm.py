@@ -256,13 +256,15 @@ def ended_within(client, job_ids: list[str], timeout_s: float) -> dict:
     return views
 
 
-def test_a_job_cancelled_mid_generation_ends_cancelled_at_once_and_its_trajectory_agrees(client, scripted_backend):
+def test_a_job_cancelled_mid_generation_ends_cancelled_at_once_and_its_trajectory_agrees(client, service,
+                                                                                         scripted_backend):
     problem = f"Cancel mid-call ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend({"episodes": [{"match": problem, "turns": [
         tool_call("ipython", code="print(1)"), {"text": tool_call("finish", answer="4"), "delay_s": 60}]}]},
         model="cancel-one")
     job_id, = client.submit(math_task(problem), sampling={"model": "cancel-one"}).job_ids
     wait_for(lambda: len(server_log(backend.url)) == 1, what="the first turn")
+    wait_for(lambda: service.redis().hget("rollout:backend:calls", job_id) == b"1", what="the second call")
     time.sleep(0.5)  # the second call is in flight
     cancelled_at = time.monotonic()
     client.cancel(job_id)
@@ -274,6 +276,21 @@ def test_a_job_cancelled_mid_generation_ends_cancelled_at_once_and_its_trajector
     assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(backend.url)[:1])
     wait_for(lambda: httpx.get(f"{backend.url}/health").json()["aborted_requests"] == 1, timeout_s=5,
              what="the server to stop the generation its client left")
+
+
+def test_a_job_cancelled_during_a_tool_call_sends_no_further_llm_call(client, scripted_backend):
+    problem = f"Cancel in a tool ({uuid.uuid4().hex[:6]})"
+    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
+        tool_call("ipython", code="import time; time.sleep(3)"), {"text": tool_call("finish", answer="4"), "delay_s": 60}]}]},
+        model="cancel-in-tool")
+    job_id, = client.submit(math_task(problem), sampling={"model": "cancel-in-tool"}).job_ids
+    wait_for(lambda: len(server_log(backend.url)) == 1, what="the first turn")
+    client.cancel(job_id)  # the tool runs for 3 s: its next call starts after the cancel
+    views = ended_within(client, [job_id], timeout_s=20)
+    assert views[job_id].status.value == "cancelled"
+    assert [t.kind for t in client.trajectory(job_id).turns] == ["generation", "observation"]
+    time.sleep(0.5)
+    assert len(server_log(backend.url)) == 1 and httpx.get(f"{backend.url}/health").json()["aborted_requests"] == 0
 
 
 def test_many_jobs_cancelled_together_mid_generation_all_end_cancelled(client, scripted_backend):

@@ -155,7 +155,7 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
     record_episode(store.redis, trajectory, boot_s)
     if sandbox is not None:
         ctx.end_fields.update(sandbox_boot_s=boot_s, sandbox_wait_s=sandbox.waited_s)
-    ctx.results.update(trajectory=trajectory.model_dump(mode="json"), artifact=artifact)
+    ctx.results["trajectory"] = trajectory.model_dump(mode="json")
     ctx.end_fields.update(finish_reason=trajectory.finish_reason.value, backend_id=next(
         (t.backend_id for t in reversed(trajectory.turns) if t.backend_id), None))
     ended = {FinishReason.cancelled: JobStatus.cancelled, FinishReason.deadline: JobStatus.timed_out}
@@ -165,3 +165,5 @@ def run_episode(ctx: StageContext, pool: BackendPool, first_call: list[FirstCall
         ctx.results["trajectory"]["reward"] = scored.reward
         ctx.end_fields["run_end"] = episode_end  # and no eval hop: the job completes with the run's end
         complete_scored(ctx, artifact, scored, **ctx.end_fields, eval_start=episode_end, eval_end=time.time())
+    else:
+        ctx.results["artifact"] = artifact  # eval reads it (a job that ends here keeps it in its result, if scored)
