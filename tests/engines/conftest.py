@@ -32,11 +32,16 @@ def vllm_engine(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> 
 ENGINE_TEST_TIMEOUT_S = 1200  # the first test also waits for vLLM's start (its compilation, on a busy 2-core machine)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kills_the_engine: kills the session's vLLM; runs after every other test")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Engine tests last: the session's vLLM then starts after every other test, and its worker
-    (which keeps a core busy while idle) does not slow them down."""
+    (which keeps a core busy while idle) does not slow them down. A test that kills it comes last of all."""
     here = Path(__file__).parent
     engine = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
     for item in engine:
         item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
+    engine.sort(key=lambda item: item.get_closest_marker("kills_the_engine") is not None)
     items[:] = [item for item in items if item not in engine] + engine
