@@ -89,12 +89,12 @@ class AutoPipelineRedis(redis.Redis):
     def submit_commands(self, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
         """Queue plain ``commands`` back to back with the next shared round trip and return at once;
         calling the result waits for their replies (exceptions in place)."""
-        waiters = [_Waiter(args, {}, _new_event()) for args in commands]
+        event = _new_event()  # set once their round trip is back: they ride the same one
+        waiters = [_Waiter(args, {}, event) for args in commands]
         self._enqueue(waiters)
 
         def replies() -> list[Any]:
-            for waiter in waiters:
-                waiter.event.wait()
+            event.wait()
             return [waiter.error if waiter.error is not None else waiter.reply for waiter in waiters]
         return replies
 
