@@ -70,3 +70,23 @@ def test_every_rollout_variable_the_docs_name_exists() -> None:
         named = set(re.findall(r"\bROLLOUT_[A-Z][A-Z0-9_]*[A-Z0-9]\b", page.read_text()))
         unknown = named - settings - SCRIPT_VARIABLES - {"ROLLOUT_X"}
         assert not unknown, f"{page.relative_to(ROOT)} names variables that do not exist: {sorted(unknown)}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve() -> None:
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+            if fragment and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+                assert fragment in {anchor(h) for h in headings}, (
+                    f"{page.relative_to(ROOT)} links to {target}: no such heading in {path or page.name}")
