@@ -1,6 +1,6 @@
 """The one Celery configuration every process shares (gateway, every worker pool, Flower).
 
-Tasks, queues and kombu keys are named in workers/dispatch.py only. Reliability settings follow DESIGN.md: late acks, reject on worker loss, prefetch 1, and a
+Tasks, queues and kombu keys are named in workers/dispatch.py only. Reliability settings follow docs/architecture.md: late acks, reject on worker loss, prefetch 1, and a
 visibility timeout above the longest job deadline, set identically everywhere.
 """
 from __future__ import annotations

@@ -48,8 +48,8 @@ def delete_backend(backend_id: str) -> Response:
        response=PauseState, query=(
            Query("mode", "string", "what the engines do with the calls in flight: `wait` (default) lets them "
                                    "finish under the old weights, `keep` freezes them in the engine until resume "
-                                   "(they end under the new weights), `abort` drops them (their jobs fail); in "
-                                   "every mode no new call starts until resume", enum=PAUSE_MODES),
+                                   "(they end under the new weights), `abort` drops them (each is made again after "
+                                   "resume; its job does not fail); in every mode no new call starts until resume", enum=PAUSE_MODES),
            Query("wait", "number", f"seconds to wait for running calls to end, at most {MAX_WAIT_S:.0f} "
                                    "(not in mode keep: its calls end only after resume)",
                  minimum=0, maximum=MAX_WAIT_S),
