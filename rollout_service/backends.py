@@ -303,11 +303,19 @@ _LUA_GATES = _LUA_KEYS + """
 local function now_ms() local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000) end
 """
 
-# ARGV: prefix, owner, lease ms. Refused while paused; else the gate is open until now + lease.
+# ARGV: prefix, owner, lease ms, '1' while calls started under the gate are in flight. Refused while
+# paused (a gate still open and busy stays open, its calls counted by the pause until they end); else
+# open until now + lease. The last element: 1 if the gate had not lapsed (held since its last renewal).
 _RENEW_GATE = _LUA_GATES + """
-if redis.call('EXISTS', key('paused')) == 1 then return {'paused'} end
-redis.call('ZADD', key('gates'), now_ms() + tonumber(ARGV[3]), ARGV[2])
-return {'ok', version()}
+local gates, now = key('gates'), now_ms()
+local open_until = redis.call('ZSCORE', gates, ARGV[2])
+local held = (open_until and tonumber(open_until) > now) and 1 or 0
+if redis.call('EXISTS', key('paused')) == 1 then
+  if held == 1 and ARGV[4] == '1' then redis.call('ZADD', gates, now + tonumber(ARGV[3]), ARGV[2]) end
+  return {'paused', held}
+end
+redis.call('ZADD', gates, now + tonumber(ARGV[3]), ARGV[2])
+return {'ok', version(), held}
 """
 
 _RELEASE_GATE = _LUA_GATES + "return redis.call('ZREM', key('gates'), ARGV[2])"
@@ -570,51 +578,59 @@ class BackendPool:
         job's count stays at 0 until ``release``)."""
         pending = submit_commands(self.redis, [("HINCRBY", self._key("calls"), job_id, -1),
                                                ("GET", self._key("version"))])
+        return self._version_of(pending, 1)
 
+    def version_soon(self) -> Callable[[], Optional[int]]:
+        """The policy version now, read with the next shared round trip (the end of a call its
+        worker's gate carried, not counted here)."""
+        return self._version_of(submit_commands(self.redis, [("GET", self._key("version"))]), 0)
+
+    @staticmethod
+    def _version_of(pending: Callable[[], list[Any]], at: int) -> Callable[[], Optional[int]]:
         def version() -> Optional[int]:
             try:
-                return int(as_text(pending()[1] or 0))
+                return int(as_text(pending()[at] or 0))
             except Exception:  # a Redis blip: the turn records its start version only
                 return None
         return version
 
     def renew_gate(self, owner: str, lease_s: float) -> int | None:
         """Keep ``owner``'s call gate open for ``lease_s`` more: the policy version, or None while paused."""
-        reply = self._renew_gate(args=[self.prefix, owner, max(int(lease_s * 1000), 1)])
-        return int(as_text(reply[1])) if as_text(reply[0]) == "ok" else None
+        return self.renew_busy_gate(owner, lease_s, False)[0]
+
+    def renew_busy_gate(self, owner: str, lease_s: float, busy: bool) -> tuple[int | None, bool]:
+        """``renew_gate`` for a worker whose calls started under the gate are in flight (``busy``):
+        refused while paused, the gate is kept open for them if it has not lapsed. Also whether
+        the gate had not lapsed since the last renewal (its calls were counted all along)."""
+        reply = self._renew_gate(args=[self.prefix, owner, max(int(lease_s * 1000), 1), "1" if busy else "0"])
+        if as_text(reply[0]) == "ok":
+            return int(as_text(reply[1])), as_text(reply[2]) == "1"
+        return None, as_text(reply[1]) == "1"
 
     def release_gate(self, owner: str) -> None:
         self._release_gate(args=[self.prefix, owner])
 
+    def release_gate_soon(self, owner: str) -> None:
+        """``release_gate`` with the next shared round trip, not waited for."""
+        submit_commands(self.redis, [("ZREM", self._key("gates"), owner)])
+
     def open_gates(self) -> int:
-        """Run workers that may still start calls without asking (a pause waits for them too)."""
+        """Run workers that may still start calls without asking, or whose calls started under
+        their gate are still in flight (a pause waits for them too)."""
         return int(self._open_gates(args=[self.prefix]))
 
-    def count_call_soon(self, job_id: str, job_key: str, gate_owner: str) -> Callable[[], tuple[str, str]]:
-        """Count a call started under ``gate_owner``'s gate, in the next shared round trip. The
-        answer: ``("ok" | "cancelled", backend the job is assigned to)``, counted (``end_counted_call``
-        ends it), or ``("late", "")``, not counted: the gate had closed (released for a pause, or
-        expired: a worker stalled between sending the call and this count), the call must not count.
-        Plain commands: the count is made with the gate's expiry read, and taken back (at once, by
-        the answer) when the gate was closed."""
-        calls = self._key("calls")
-        pending = submit_commands(self.redis, [
-            ("ZSCORE", self._key("gates"), gate_owner), ("TIME",), ("HINCRBY", calls, job_id, 1),
-            ("HGET", job_key, "cancel_requested"), ("GET", self._key("job", job_id))])
-        answers: list[tuple[str, str]] = []
+    def check_call_soon(self, job_id: str, job_key: str) -> Callable[[], tuple[str, str]]:
+        """What a call started under its worker's gate checks, in the next shared round trip (the
+        gate counts the call): ``("ok" | "cancelled", backend the job is assigned to)``."""
+        pending = submit_commands(self.redis, [("HGET", job_key, "cancel_requested"),
+                                               ("GET", self._key("job", job_id))])
 
         def answer() -> tuple[str, str]:
-            if not answers:
-                replies = pending()
-                if errors := [reply for reply in replies if isinstance(reply, Exception)]:
-                    raise errors[0]
-                open_until, (seconds, micros), _, cancel, assigned = replies
-                if open_until is None or float(open_until) < int(seconds) * 1000 + int(micros) // 1000:
-                    submit_commands(self.redis, [("HINCRBY", calls, job_id, -1)])
-                    answers.append(("late", ""))
-                else:
-                    answers.append(("cancelled" if as_text(cancel) == "1" else "ok", as_text(assigned or b"")))
-            return answers[0]
+            replies = pending()
+            if errors := [reply for reply in replies if isinstance(reply, Exception)]:
+                raise errors[0]
+            cancel, assigned = replies
+            return "cancelled" if as_text(cancel or b"") == "1" else "ok", as_text(assigned or b"")
         return answer
 
     def inflight_calls(self) -> int:

@@ -34,43 +34,86 @@ def client_for(kind: str, url: str, model: str) -> InferenceClient:
 
 class CallGate:
     """A green run worker's lease to start its episodes' later LLM calls without a round trip
-    ahead of each (the issue's "no per-turn blocking Redis round trips beyond what correctness
-    needs"). A keeper renews it every third of the lease; a renewal refused by a weight-sync pause
-    closes the gate here first and only then releases it, through the shared pipeline that already
-    carries the counts of the calls started under it, so the pause sees the gate gone only once it
-    sees those calls in flight. Here it counts as open until the renewal's send time plus three
-    quarters of the lease, before Redis's own expiry (a worker that stops renewing)."""
+    ahead of each, and to carry their in-flight count: Redis counts the gate, not each call. A
+    keeper renews it every third of the lease, telling Redis whether calls started under it are
+    still in flight. A renewal refused by a weight-sync pause closes the gate here to new calls;
+    Redis keeps it open (the pause counts it) until its calls have ended and the worker releases
+    it. Here it counts as open until the renewal's send time plus three quarters of the lease,
+    before Redis's own expiry (a worker that stops renewing). A call's answer counts only if the
+    gate held in Redis from the call's start to its end: its epoch did not change (a renewal found
+    the gate lapsed, or it was released) and the end came before the last renewal's three quarters."""
 
     def __init__(self) -> None:
-        self.open_until = 0.0
+        self.open_until = 0.0  # new calls may start under the gate until then
+        self.held_until = 0.0  # calls of this epoch are covered by the gate in Redis until then
+        self.epoch = 0
+        self.inflight = 0
         self.version = 0
         self.owner = ""
+        self._pool: Optional[BackendPool] = None
         self._pid = 0
+        self._closed = False
 
     def version_if_open(self) -> Optional[int]:
         return self.version if time.monotonic() < self.open_until else None
 
+    def begin(self) -> int:
+        """A call starts under the open gate: its epoch, for ``end``."""
+        self.inflight += 1
+        return self.epoch
+
+    def end(self, epoch: int) -> bool:
+        """The call started in ``epoch`` ended: whether the gate held it all along. The last call of
+        a gate a pause closed releases it."""
+        self.inflight -= 1
+        held = epoch == self.epoch and time.monotonic() < self.held_until
+        if self.inflight == 0 and self.open_until == 0.0 and self._pool is not None:
+            self._release()
+        return held
+
     def keep(self, client: redis.Redis, lease_s: float) -> None:
         """Start this process's keeper (once per process)."""
         if self._pid != os.getpid() and lease_s > 0:
-            self._pid, self.open_until = os.getpid(), 0.0
+            self._pid, self.open_until, self.held_until, self.inflight = os.getpid(), 0.0, 0.0, 0
+            self._closed = False
             self.owner = f"{socket.gethostname()}:{os.getpid()}"
-            threading.Thread(target=self._renew_forever, args=(BackendPool(client), lease_s),
+            self._pool = BackendPool(client)
+            threading.Thread(target=self._renew_forever, args=(self._pool, lease_s),
                              name="call-gate", daemon=True).start()
 
+    def close(self) -> None:
+        """Stop renewing and release the gate (its calls no longer count as held)."""
+        self._closed, self.open_until = True, 0.0
+        if self._pool is not None:
+            self._release()
+
+    def _release(self) -> None:
+        self.epoch += 1
+        with contextlib.suppress(Exception):
+            self._pool.release_gate_soon(self.owner)  # type: ignore[union-attr]
+
     def _renew_forever(self, pool: BackendPool, lease_s: float) -> None:
-        while True:
-            sent = time.monotonic()
+        while not self._closed:
+            sent, busy = time.monotonic(), self.inflight > 0
             try:
-                version = pool.renew_gate(self.owner, lease_s)
+                version, held = pool.renew_busy_gate(self.owner, lease_s, busy)
             except Exception:  # a Redis blip: closed until a renewal gets through
-                version = None
-            if version is None:
                 self.open_until = 0.0
-                with contextlib.suppress(Exception):
-                    pool.release_gate(self.owner)
             else:
-                self.version, self.open_until = version, sent + 0.75 * lease_s
+                if not held:
+                    self.epoch += 1
+                    self.held_until = 0.0
+                if version is not None:
+                    self.version, self.open_until = version, sent + 0.75 * lease_s
+                    self.held_until = self.open_until
+                else:
+                    self.open_until = 0.0
+                    if held and busy:
+                        self.held_until = sent + 0.75 * lease_s
+                    if self.inflight == 0:
+                        self._release()
+            if self._closed:
+                self._release()
             time.sleep(lease_s / 3)
 
 
@@ -225,36 +268,32 @@ class PooledLLM:
     def _generate_under_gate(self, backend: BackendView, version: int, prompt_ids: list[int],
                              max_new_tokens: int, record: TrajectoryBuilder) -> Optional[list[int]]:
         """A later call sent at once to the job's backend while this worker's gate is open: no
-        round trip ahead of it, its count rides the next shared one. None if the count came after
-        the gate closed (a stalled worker: the call may have met a weight sync), the job was moved
-        meanwhile or its backend did not answer: the careful way makes the call again."""
+        round trip ahead of it, the gate counts it and its checks ride the next shared one. None if
+        the gate did not hold it all along (a stalled worker: the call may have met a weight sync),
+        the job was moved meanwhile or its backend did not answer: the careful way makes the call again."""
         if self._stale(record, version):
             raise EpisodeInterrupted(FinishReason.stale)
-        counted = self.pool.count_call_soon(self.job_id, self.job_key, CALL_GATE.owner)
+        epoch = CALL_GATE.begin()
+        checked = self.pool.check_call_soon(self.job_id, self.job_key)
         gen = None
+        held = False
         try:
             gen = self._call(backend, prompt_ids, max_new_tokens)
         except (BackendUnreachable, GenerationAborted):
             pass
         finally:
-            ended_under = self._end_gated_call(counted)
-        status, assigned = counted()
+            held = CALL_GATE.end(epoch)
+        ended_under = self.pool.version_soon() if held and gen is not None else None
+        status, assigned = checked()
         if status == "cancelled":
             raise EpisodeInterrupted(FinishReason.cancelled)
-        if gen is None or status == "late" or assigned != backend.id:
+        if gen is None or ended_under is None or assigned != backend.id:
             self.sticky = None
             return None
         record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
                               finish_reason=gen.finish_reason, latency_s=gen.latency_s, moved_from=None,
                               ended_under=ended_under)
         return gen.token_ids
-
-    def _end_gated_call(self, counted: Callable[[], tuple[str, str]]) -> Callable[[], Optional[int]]:
-        try:
-            status, _ = counted()
-        except Exception:  # whether it was counted is unknown: the end that holds either way
-            return self.pool.end_call(self.job_id)
-        return (lambda: None) if status == "late" else self.pool.end_counted_call(self.job_id)
 
     def _call(self, backend: BackendView, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         """One call to ``backend``; a limit it hits ends the episode, an unreachable server raises."""

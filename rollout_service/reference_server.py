@@ -907,7 +907,7 @@ def add_pause_routes(app: Flask, drain_timeout_s: float = 600.0) -> PauseLatch:
 
     @app.get("/is_paused")
     def is_paused() -> Response:
-        return jsonify({"is_paused": latch.paused})
+        return jsonify({"is_paused": latch.paused, "inflight": latch.inflight})
 
     return latch
 

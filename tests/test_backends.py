@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import redis
@@ -522,28 +522,76 @@ def test_a_call_gate_is_refused_while_paused_expires_unless_renewed_and_can_be_r
     assert pool.resume(7) == 7 and pool.renew_gate("worker-b", 5.0) == 7
 
 
-def test_a_call_counts_under_an_open_gate_only_and_reports_cancel_and_assignment(
+def test_a_busy_gate_stays_open_through_a_pause_until_released_and_a_lapsed_one_is_not_opened_again(
+        pool: BackendPool) -> None:
+    assert pool.renew_busy_gate("worker-a", 1.0, True) == (0, False)  # a new gate: it held nothing before
+    assert pool.renew_busy_gate("worker-a", 1.0, True) == (0, True)
+    pool.pause(30)
+    assert pool.renew_busy_gate("worker-a", 1.0, True) == (None, True)  # refused, kept open for its calls
+    time.sleep(0.6)
+    assert pool.renew_busy_gate("worker-a", 1.0, True) == (None, True)
+    time.sleep(0.6)
+    assert pool.open_gates() == 1  # past the lease of the refused renewal: its calls still count
+    assert pool.renew_busy_gate("worker-a", 1.0, False) == (None, True)  # idle: not kept
+    time.sleep(1.1)
+    assert pool.open_gates() == 0
+    assert pool.renew_busy_gate("worker-a", 1.0, True) == (None, False)  # lapsed: not opened while paused
+    assert pool.open_gates() == 0
+    pool.resume()
+    assert pool.renew_busy_gate("worker-a", 1.0, True) == (1, False)
+    pool.release_gate_soon("worker-a")
+    assert pool.open_gates() == 0
+
+
+def test_a_call_under_a_gate_checks_the_cancel_flag_and_the_assignment_without_a_count(
         pool: BackendPool, redis_client: redis.Redis) -> None:
     backend = pool.register(BackendSpec(url="http://gated:1", kind="vllm", model="m"))
     pool.acquire("job-1", "m")
     job_key = "rollout:job:job-1"
     redis_client.hset(job_key, "cancel_requested", "0")
-    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("late", "")  # no gate: not counted
+    assert pool.check_call_soon("job-1", job_key)() == ("ok", backend.id)
     assert pool.inflight_calls() == 0
-    pool.renew_gate("worker-a", 5.0)
-    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("ok", backend.id)
-    assert pool.inflight_calls() == 1
-    pool.end_call("job-1")
     redis_client.hset(job_key, "cancel_requested", "1")
-    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("cancelled", backend.id)
-    pool.end_call("job-1")
+    assert pool.check_call_soon("job-1", job_key)() == ("cancelled", backend.id)
     pool.release("job-1")
-    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("cancelled", "")
-    pool.end_call("job-1")
-    pool.release_gate("worker-a")  # released for a pause: a count still on its way arrives late
-    assert pool.count_call_soon("job-1", job_key, "worker-a")() == ("late", "")
-    pool.end_call("job-1")
-    assert pool.inflight_calls() == 0
+    assert pool.check_call_soon("job-1", job_key)() == ("cancelled", "")
+    assert pool.version_soon()() == 0
+
+
+def test_a_worker_gate_counts_its_calls_through_a_pause_and_a_call_it_did_not_hold_does_not_count(
+        pool: BackendPool, redis_client: redis.Redis) -> None:
+    from rollout_service.llm import CallGate
+
+    pool = BackendPool(redis_client)  # the prefix the run workers' gates use
+    gate = CallGate()
+    gate.keep(redis_client, 0.6)
+    try:
+        wait_until(lambda: gate.version_if_open() == 0)
+        assert pool.open_gates() == 1
+        held = gate.begin()
+        pool.pause(30)
+        wait_until(lambda: gate.version_if_open() is None)  # closed to new calls at its next renewal
+        time.sleep(1.0)  # past the lease: the pause still counts the gate, a call runs under it
+        assert pool.open_gates() == 1
+        assert gate.end(held)  # held all along; the last call releases the gate
+        wait_until(lambda: pool.open_gates() == 0)
+        pool.resume()
+        wait_until(lambda: gate.version_if_open() == 1)
+        lapsed = gate.begin()
+        redis_client.zrem("rollout:backend:gates", gate.owner)  # as if the worker had stalled past its lease
+        time.sleep(0.5)  # its next renewal finds the gate lapsed
+        assert not gate.end(lapsed)
+        assert gate.version_if_open() == 1 and pool.open_gates() == 1  # a new gate for the calls after
+    finally:
+        gate.close()
+    wait_until(lambda: pool.open_gates() == 0)
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 # registration through the API

@@ -264,7 +264,7 @@ def test_a_job_cancelled_mid_generation_ends_cancelled_at_once_and_its_trajector
         model="cancel-one")
     job_id, = client.submit(math_task(problem), sampling={"model": "cancel-one"}).job_ids
     wait_for(lambda: len(server_log(backend.url)) == 1, what="the first turn")
-    wait_for(lambda: service.redis().hget("rollout:backend:calls", job_id) == b"1", what="the second call")
+    wait_for(lambda: httpx.get(f"{backend.url}/is_paused").json()["inflight"] == 1, what="the second call")
     time.sleep(0.5)  # the second call is in flight
     cancelled_at = time.monotonic()
     client.cancel(job_id)
