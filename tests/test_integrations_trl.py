@@ -44,6 +44,8 @@ def test_grpo_trainer_pushes_weights_every_step_and_the_rollouts_stay_on_policy(
     outputs: list[dict[str, Any]] = []
     with service.client() as client:
         backend = client.add_backend(url, "reference", name, tokenizer=str(weights))
+        client.pause()
+        base = client.resume(policy_version=max(b.policy_version for b in client.backends()) + 3)["policy_version"]
         try:
             rollouts = ServiceRollouts(
                 client, tasks, model=name, sync_dir=tmp_path / "sync", check_logprobs=True,
@@ -71,8 +73,9 @@ def test_grpo_trainer_pushes_weights_every_step_and_the_rollouts_stay_on_policy(
 
     steps = [row for row in trainer.state.log_history if "rollout/wall_s" in row]
     assert [row["step"] for row in steps] == [1, 2]
-    assert [(row["rollout/policy_version_min"], row["rollout/policy_version_max"]) for row in steps] == [(0, 0), (1, 1)]
-    assert [row["sync/policy_version"] for row in steps] == [1, 2] and served.policy_version == 2
+    assert [(row["rollout/policy_version_min"], row["rollout/policy_version_max"]) for row in steps] == [
+        (base, base), (base + 1, base + 1)]
+    assert [row["sync/policy_version"] for row in steps] == [base + 1, base + 2] and served.policy_version == base + 2
     for row in steps:
         assert row["rollout/logprob_gap_max"] < 1e-4  # importance ratio exp(gap) within 1e-4 of 1, every step
         assert row["rollout/run_s"] > 0 and row["sync/update_s"] > 0 and row["rollout/failed"] == 0

@@ -171,28 +171,36 @@ def logprob_gap(model: Any, output: Mapping[str, list[Any]]) -> float:
 
 class WeightSync(TrainerCallback):
     """After each optimizer step: save, pause the engines, load the saved weights into every engine
-    of the model, resume with ``global_step`` as the policy version."""
+    of the model, resume with the service's version at the start of training plus ``global_step``
+    as the policy version. A failed load resumes under the version the engines still serve."""
 
     def __init__(self, rollouts: ServiceRollouts) -> None:
         self.rollouts = rollouts
         self.saved: list[Path] = []
+        self.base_version = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.base_version = max((backend.policy_version for backend in self.rollouts.client.backends()), default=0)
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
         if model is None or not state.is_world_process_zero:
             return control
-        step = int(state.global_step)
+        step = self.base_version + int(state.global_step)
         client = self.rollouts.client
         started = time.monotonic()
         directory = (self.rollouts.sync_dir / f"step-{step}").resolve()
         getattr(model, "module", model).save_pretrained(directory)
         saved = time.monotonic()
-        client.pause(wait_s=60)
+        serving = client.pause(wait_s=60)["policy_version"]
         paused = time.monotonic()
         try:
             client.update_weights(str(directory), model=self.rollouts.model, policy_version=step)
-        finally:
-            updated = time.monotonic()
-            client.resume(policy_version=step)
+        except BaseException:
+            client.resume(policy_version=serving)
+            raise
+        updated = time.monotonic()
+        client.resume(policy_version=step)
         resumed = time.monotonic()
         self.saved.append(directory)
         while len(self.saved) > self.rollouts.keep_checkpoints:
