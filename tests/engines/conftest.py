@@ -33,7 +33,8 @@ ENGINE_TEST_TIMEOUT_S = 1200  # the first test also waits for vLLM's start (its 
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "kills_the_engine: kills the session's vLLM; runs after every other test")
+    config.addinivalue_line("markers", "kills_the_engine: kills the session's vLLM; runs after the other engine tests")
+    config.addinivalue_line("markers", "own_engine: starts a vLLM of its own; runs once the session's is gone")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -43,5 +44,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     engine = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
     for item in engine:
         item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
-    engine.sort(key=lambda item: item.get_closest_marker("kills_the_engine") is not None)
+    engine.sort(key=lambda item: (item.get_closest_marker("own_engine") is not None,
+                                  item.get_closest_marker("kills_the_engine") is not None))
     items[:] = [item for item in items if item not in engine] + engine
