@@ -60,6 +60,7 @@ def test_killing_one_of_two_backends_mid_run_moves_its_jobs_to_the_survivor(clie
         assert moved > 0
         assert all(b.live_assignments == 0 for b in client.backends() if b.model == "pair")
     finally:
+        doomed.stop()
         survivor.stop()
         for backend in backends:
             client.remove_backend(backend.id)
