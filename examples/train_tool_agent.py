@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--clip-low", type=float, default=0.2)
     parser.add_argument("--clip-high", type=float, default=0.28)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=2, help="rollouts per forward pass (peak memory)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--torch-threads", type=int, default=1)
