@@ -151,6 +151,23 @@ def plot(history: list[dict[str, float]], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def load_policy(args: argparse.Namespace) -> tuple[Path, Any]:
+    """Threads, seed and output directory from ``args``; the policy (``--model-dir`` or the
+    service's SmolLM2) in float32, in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service.models import resolve_reference_model
+    from rollout_service.settings import get_settings
+
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    return model_dir, model
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running service (default: start one locally with a SmolLM2 backend)")
@@ -170,18 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("grpo-run"))
     args = parser.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM
-
-    from rollout_service.models import resolve_reference_model
-    from rollout_service.settings import get_settings
-
-    torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)
+    model_dir, model = load_policy(args)
     rng = random.Random(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     fields = {"sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens},
               "agent": {"max_turns": 1, "tools": [], "system_prompt": SYSTEM_PROMPT},

@@ -52,7 +52,7 @@ from typing import Any, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_grpo import grpo_step, push_weights  # noqa: E402
+from train_grpo import grpo_step, load_policy, push_weights  # noqa: E402
 
 from rollout_service.client import RolloutClient  # noqa: E402
 from rollout_service.schemas import Trajectory  # noqa: E402
@@ -234,20 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("tool-agent-run"))
     args = parser.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM
-
-    from rollout_service.models import resolve_reference_model
-    from rollout_service.settings import get_settings
     from rollout_service.tokens import renderer_for
 
     began = time.monotonic()
-    torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)
+    model_dir, model = load_policy(args)
     rng = random.Random(args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
     fields = {"sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens, "model": args.model_name},
               "agent": {"max_turns": args.max_turns, "tools": TOOLS, "system_prompt": SYSTEM_PROMPT},
               "timeouts": {"job_s": 900}}
