@@ -19,7 +19,7 @@ import pytest
 from rollout_service.adapters import adapter, segments_of, to_openrlhf, to_slime, to_trl, to_verl
 from rollout_service.errors import TrainerFormatError
 from rollout_service.schemas import FinishReason, Trajectory
-from tests.test_harness import TOOL_LOOP_HARNESS
+from tests.helpers import TOOL_LOOP_HARNESS
 
 PAD = 0
 PROMPT_LENGTH, RESPONSE_LENGTH = 512, 256

@@ -8,7 +8,7 @@ import pytest
 
 from rollout_service.tokens import renderer_for
 from rollout_service.tools.schemas import tool_schemas
-from tests.test_pipeline import (
+from tests.helpers import (
     assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call,
 )
 
@@ -129,7 +129,7 @@ def test_a_real_model_trajectory_carries_the_models_own_logprobs(client, service
 def test_the_job_deadline_cuts_a_slow_llm_call_and_the_job_ends_timed_out_with_its_turns(client, scripted_backend):
     import time
 
-    from tests.test_pipeline import tool_call as call
+    from tests.helpers import tool_call as call
 
     problem = f"Deadline ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": [

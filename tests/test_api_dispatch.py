@@ -1,20 +1,7 @@
 """workers/dispatch.py against a real Redis broker: what it publishes is what it counts."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
-
-def run_with_broker(redis_url: str, code: str, **settings_env: str) -> dict:
-    """Run ``code`` in a fresh process whose Celery app uses ``redis_url`` (no worker consumes it)."""
-    env = {**os.environ, **settings_env, "ROLLOUT_REDIS_URL": redis_url, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+from tests.helpers import run_with_broker
 
 
 def test_jobs_travel_in_messages_of_at_most_the_batch_size_counted_queued_then_unacked(redis_client, redis_url):

@@ -12,7 +12,7 @@ import pytest
 
 from rollout_service.api import jobs as api_jobs
 from rollout_service.errors import ApiError
-from tests.test_pipeline import math_task, tool_call
+from tests.helpers import math_task, tool_call
 
 
 def script_for(*problems: str) -> dict:

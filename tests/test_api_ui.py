@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pipeline import math_task, tool_call
+from tests.helpers import math_task, tool_call
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")

@@ -22,7 +22,7 @@ from rollout_service.schemas import TERMINAL_STATUSES, BatchRequest, JobStatus
 from rollout_service.settings import Settings
 from rollout_service.store import JobStore
 from rollout_service.tokens import ChatRenderer, load_tokenizer
-from tests.test_pipeline import math_task, tool_call
+from tests.helpers import math_task, tool_call
 
 # --------------------------------------------------------------------------- simulated workers
 

@@ -9,7 +9,7 @@ import pytest
 
 from rollout_service.sandbox.base import descendants
 from tests.fixtures_service import running_service
-from tests.test_sandbox import command_of, parent_of
+from tests.helpers import command_of, parent_of
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fork server serves root workers")
@@ -30,7 +30,7 @@ def test_each_eval_child_starts_its_sandbox_fork_server_before_any_grading(tmp_p
 @pytest.mark.parametrize("hard_limit", [0, 600], ids=["the system's hard limit", "a hard limit of 600"])
 def test_a_worker_takes_its_hard_open_file_limit_and_warns_when_even_that_is_short(redis_client, redis_url,
                                                                                    hard_limit):
-    from tests.test_api_dispatch import run_with_broker
+    from tests.helpers import run_with_broker
 
     result = run_with_broker(redis_url, f"""
         import json, logging, resource
@@ -55,7 +55,7 @@ def test_a_worker_takes_its_hard_open_file_limit_and_warns_when_even_that_is_sho
 
 
 def test_publishing_many_messages_reuses_one_redis_client_and_every_message_arrives(redis_client, redis_url):
-    from tests.test_api_dispatch import run_with_broker
+    from tests.helpers import run_with_broker
 
     result = run_with_broker(redis_url, """
         import json, redis

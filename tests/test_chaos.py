@@ -23,9 +23,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.errors import ApiError
 from rollout_service.redis_server import free_port
 from rollout_service.schemas import JobView
-from tests.test_cli import processes_with
-from tests.test_llm import wait_for
-from tests.test_pipeline import math_task, server_log, tool_call
+from tests.helpers import math_task, processes_with, server_log, tool_call, wait_for
 
 JOBS = 200
 TOKEN = "chaos-token"

@@ -20,6 +20,7 @@ from rollout_service.cli import FLOWER_NICENESS
 from rollout_service.priority import rank
 from rollout_service.redis_server import free_port
 from rollout_service.schemas import BackendSpec
+from tests.helpers import processes_with
 
 
 def rollout_service(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -140,17 +141,6 @@ def listening_addresses(port: int) -> set[str]:
         if state == "0A" and int(local_port, 16) == port:
             found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
     return found
-
-
-def processes_with(environment_entry: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and environment_entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
-                pids.append(int(proc.name))
-        except OSError:
-            pass
-    return pids
 
 
 def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and_stops_everything(

@@ -10,7 +10,7 @@ import httpx
 from rollout_service.cli import flower_command
 from rollout_service.redis_server import free_port
 from rollout_service.settings import Settings
-from tests.test_pipeline import math_task, tool_call
+from tests.helpers import math_task, tool_call
 
 
 def test_flower_shows_every_finished_stage_as_success_for_completed_and_failed_jobs(

@@ -19,41 +19,7 @@ from rollout_service.harness import ChatSession, new_api_key, run_harness
 from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.schemas import ChatCompletionRequest, HarnessConfig
 from rollout_service.settings import get_settings
-from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log
-
-TOOL_LOOP_HARNESS = r'''
-import json, os, subprocess, urllib.request
-
-BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-TOOLS = [{"type": "function", "function": {"name": "shell", "description": "run a shell command",
-          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
-
-def chat(messages):
-    body = json.dumps({"model": "any", "messages": messages, "tools": TOOLS, "temperature": 0.7}).encode()
-    request = urllib.request.Request(BASE + "/chat/completions", body, {
-        "Authorization": "Bearer " + KEY, "Content-Type": "application/json"})
-    answer = json.load(urllib.request.urlopen(request, timeout=60))
-    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] > 0, answer
-    return answer["choices"][0]
-
-messages = json.load(open(os.environ["ROLLOUT_MESSAGES_FILE"]))
-while True:
-    choice = chat(messages)
-    message = choice["message"]
-    messages.append(message)
-    if choice["finish_reason"] != "tool_calls":
-        break
-    for call in message["tool_calls"]:
-        assert call["type"] == "function" and call["id"], call
-        command = json.loads(call["function"]["arguments"])["command"]
-        output = subprocess.run(command, shell=True, capture_output=True, text=True).stdout
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
-assert message["content"] == "The answer is \\boxed{4}.", message
-summary = chat([messages[0], {"role": "user", "content": "REWRITE-MARKER: summarize the episode."}])
-assert summary["message"]["content"] == "Summary: 4", summary
-with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
-    f.write("\\boxed{4}")
-'''
+from tests.helpers import TOOL_LOOP_HARNESS, assert_trajectory_is_exactly_what_the_server_returned, server_log
 
 BAD_REQUESTS_HARNESS = r'''
 import json, os, urllib.error, urllib.request

@@ -18,7 +18,7 @@ import pytest
 
 from rollout_service.client import RolloutClient
 from tests.fixtures_service import Service, running_service
-from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log
+from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, server_log
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS_ENV = Path(os.environ.get("ROLLOUT_TEST_HARNESS_ENV", REPO / ".harnesses" / "mini-swe-agent"))

@@ -20,7 +20,7 @@ from rollout_service.harness import ChatSession, EndpointServer, new_api_key
 from rollout_service.inference import make_client
 from rollout_service.schemas import FinishReason, Sampling
 from rollout_service.trajectory import TrajectoryBuilder
-from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log
+from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, server_log
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 

@@ -13,12 +13,8 @@ import httpx
 
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
-from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call
-
-
-def slow_script(problem: str, turns: int, delay_s: float) -> dict:
-    steps = [{"text": tool_call("ipython", code=f"print({i})"), "delay_s": delay_s} for i in range(turns - 1)]
-    return {"episodes": [{"match": problem, "turns": steps + [tool_call("finish", answer="\\boxed{4}")]}]}
+from tests.helpers import (assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, slow_script,
+                           tool_call, wait_for)
 
 
 def start_server(tmp_path: Path, tokenizer: Path, script: dict) -> ReferenceServerProcess:
@@ -27,13 +23,6 @@ def start_server(tmp_path: Path, tokenizer: Path, script: dict) -> ReferenceServ
     (directory / "script.json").write_text(json.dumps(script))
     return ReferenceServerProcess(["--script", str(directory / "script.json"), "--tokenizer", str(tokenizer)],
                                   port=free_port(), log_path=directory / "server.log").start()
-
-
-def wait_for(condition, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_killing_one_of_two_backends_mid_run_moves_its_jobs_to_the_survivor(client, tmp_path, tiny_tokenizer_dir):

@@ -119,7 +119,7 @@ def test_a_job_delivered_three_times_to_run_counts_two_redeliveries_when_it_ends
 
 def test_a_green_worker_writes_the_metrics_of_many_episodes_together_and_what_is_left_when_it_stops(
         redis_client, redis_url):
-    from tests.test_api_dispatch import run_with_broker
+    from tests.helpers import run_with_broker
 
     def hincrbys() -> int:
         return int(redis_client.info("commandstats").get("cmdstat_hincrby", {}).get("calls", 0))

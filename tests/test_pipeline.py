@@ -2,7 +2,6 @@
 sandboxes; only the LLM is scripted, behind the vLLM/SGLang token protocols."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -11,32 +10,7 @@ import msgpack
 import pytest
 
 from rollout_service.errors import ApiError
-
-
-def tool_call(name: str, **arguments: object) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-def math_task(problem: str, answer: str = "4") -> dict:
-    return {"domain": "math", "problem": problem, "answer": answer}
-
-
-def server_log(backend_url: str) -> list[dict]:
-    return httpx.get(f"{backend_url}/debug/requests").json()
-
-
-def assert_trajectory_is_exactly_what_the_server_returned(trajectory, requests: list[dict]) -> None:
-    generations = [t for t in trajectory.turns if t.kind == "generation"]
-    assert len(generations) == len(requests)
-    for turn, call in zip(generations, requests):
-        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[:turn.start]
-        assert trajectory.response_ids[turn.start:turn.end] == call["output_ids"]
-        assert trajectory.logprobs[turn.start:turn.end] == call["logprobs"]
-    n = len(trajectory.response_ids)
-    assert len(trajectory.logprobs) == n and len(trajectory.loss_mask) == n
-    for turn in trajectory.turns:
-        expected_mask = 1 if turn.kind == "generation" else 0
-        assert set(trajectory.loss_mask[turn.start:turn.end]) <= {expected_mask}
+from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])

@@ -9,8 +9,7 @@ import uuid
 from rollout_service.cli import worker_command
 from rollout_service.settings import Settings
 from tests.fixtures_service import Service, running_service
-from tests.test_llm import slow_script, wait_for
-from tests.test_pipeline import math_task, server_log
+from tests.helpers import math_task, server_log, slow_script, wait_for
 
 
 def stop_worker(service: Service, queue: str, sig: int = signal.SIGTERM) -> None:
@@ -143,7 +142,7 @@ def test_a_job_that_skips_init_and_loses_its_run_message_is_sent_to_run_again(
 
 
 def test_a_recovery_whose_message_never_reached_the_broker_is_made_again_on_a_later_pass(redis_client, redis_url):
-    from tests.test_api_dispatch import run_with_broker
+    from tests.helpers import run_with_broker
 
     result = run_with_broker(redis_url, """
         import json, time

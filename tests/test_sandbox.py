@@ -27,6 +27,7 @@ from rollout_service.sandbox.base import ServerSandbox, _descendants_by_scan, de
 from rollout_service.sandbox.registry import EXPIRY_KEY, registered, sandbox_key
 from rollout_service.sandbox.singularity import ensure_image, singularity_argv
 from rollout_service.settings import get_settings
+from tests.helpers import command_of, parent_of
 
 STAND_IN = Path(__file__).with_name("stand_in_singularity")
 
@@ -46,17 +47,6 @@ def alive(pids: list[int]) -> list[int]:
         if state != "Z":
             living.append(pid)
     return living
-
-
-def command_of(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def wait_until(condition: Callable[[], object], timeout_s: float = 3.0) -> bool:

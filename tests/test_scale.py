@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.fixtures_service import Service, running_service
-from tests.test_pipeline import assert_trajectory_is_exactly_what_the_server_returned, server_log, tool_call
+from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, server_log, tool_call
 
 ROLLOUTS = 200
 

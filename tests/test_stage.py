@@ -1,7 +1,7 @@
 """workers/stage.py on a real Redis: how a stage begins and ends the jobs one message carries."""
 from __future__ import annotations
 
-from tests.test_api_dispatch import run_with_broker
+from tests.helpers import run_with_broker
 
 THREE_GRADED_JOBS = """
     import json

@@ -12,7 +12,7 @@ import redis
 
 from rollout_service.redis_server import RedisServer
 from rollout_service.supervisor import INTAKE, SERVICES, STORE, WORKERS, Supervisor
-from tests.test_llm import wait_for
+from tests.helpers import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 

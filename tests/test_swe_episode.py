@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_llm import wait_for
+from tests.helpers import wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

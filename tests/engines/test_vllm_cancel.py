@@ -10,7 +10,7 @@ import httpx
 
 from rollout_service.engines import VLLMServer
 from rollout_service.store import JobStore
-from tests.test_pipeline import math_task
+from tests.helpers import math_task
 
 FREED_WITHIN_S = 2.0
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 1.0}  # minutes of generation on 2 cores

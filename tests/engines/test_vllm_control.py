@@ -11,7 +11,7 @@ import pytest
 
 from rollout_service.engines import VLLMServer
 from rollout_service.errors import ApiError
-from tests.test_pipeline import math_task
+from tests.helpers import math_task
 
 PROMPT_IDS = [1, 9690, 314, 253, 1345, 2989, 30]  # any fixed ids: their logprobs are the served policy
 

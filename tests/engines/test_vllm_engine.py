@@ -6,7 +6,7 @@ import math
 import httpx
 
 from rollout_service.engines import VLLMServer
-from tests.test_pipeline import math_task
+from tests.helpers import math_task
 
 
 def test_math_jobs_on_vllm_complete_and_their_logprobs_are_vllms_own(service, client, vllm_engine: VLLMServer,

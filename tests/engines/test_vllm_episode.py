@@ -13,7 +13,7 @@ import pytest
 
 from rollout_service.engines import VLLMServer
 from rollout_service.schemas import Segment
-from tests.test_pipeline import math_task
+from tests.helpers import math_task
 
 TOOL_CALL_OPENER = 44  # SmolLM2's "<": greedy with this bias, the 135M model opens a <tool_call> every turn
 FORCED_TOOL_CALLS = {"temperature": 0.0, "logit_bias": {str(TOOL_CALL_OPENER): 10.0}}

@@ -13,7 +13,7 @@ from rollout_service.errors import ApiError
 from rollout_service.inference import ReferenceClient, VLLMClient
 from rollout_service.schemas import Sampling
 from rollout_service.store import JobStore, unpack
-from tests.test_pipeline import math_task
+from tests.helpers import math_task
 
 EOS = 2  # SmolLM2's <|im_end|>
 PROMPT = [1, 9690, 198, 2683, 314, 216, 34, 1232, 216, 34, 47, 2, 198]
