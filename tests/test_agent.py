@@ -3,10 +3,17 @@ policy saw and produced, with the inference server's own logprobs."""
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import pytest
 
-from rollout_service.tokens import renderer_for
+from rollout_service.agent import Agent, Executor, Limits
+from rollout_service.sandbox import SandboxSpec, create_sandbox
+from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, Trajectory
+from rollout_service.toolcalls import get_parser
+from rollout_service.tokens import ChatRenderer, renderer_for
+from rollout_service.trajectory import TrajectoryBuilder
 from rollout_service.tools.schemas import tool_schemas
 from tests.helpers import (
     assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call,
@@ -141,3 +148,113 @@ def test_the_job_deadline_cuts_a_slow_llm_call_and_the_job_ends_timed_out_with_i
     assert view.status.value == "timed_out" and view.finish_reason.value == "deadline", view.error
     trajectory = client.trajectory(job_id)
     assert trajectory.truncated and [t.kind for t in trajectory.turns] == ["generation", "observation"]
+
+
+# -- the Agent alone, in process: a scripted LLM behind the agent's LLM interface, a real tokenizer's
+# chat template, the real tool-call parser and a real bwrap sandbox for the tools.
+
+class ScriptedLLM:
+    """Answers each call with the next scripted text as token ids, with logprobs of its own choosing
+    (distinct per token), recording what it was sent and what it returned."""
+
+    def __init__(self, renderer: ChatRenderer, turns: list[str]) -> None:
+        self.renderer, self.turns = renderer, list(turns)
+        self.calls: list[dict] = []
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
+        text = self.turns[len(self.calls)]
+        ids = [*self.renderer.encode(text), self.renderer.end_of_turn_id]
+        cut = len(ids) > max_new_tokens
+        ids = ids[:max_new_tokens]
+        logprobs = [-(len(self.calls) + 1) / 8 - k / 1024 for k in range(len(ids))]
+        self.calls.append({"prompt_ids": list(prompt_ids), "output_ids": ids, "logprobs": logprobs})
+        record.add_generation(ids, logprobs, backend_id="scripted", policy_version=3,
+                              finish_reason="length" if cut else "stop", latency_s=0.0)
+        return ids
+
+
+def scripted_agent(tiny_tokenizer_dir: Path, turns: list[str], executor: Optional[Executor] = None,
+                   tools: tuple[str, ...] = ("bash", "finish"), max_turns: int = 8, max_new_tokens: int = 256,
+                   max_model_len: Optional[int] = None,
+                   stop_reason: Callable[[], Optional[FinishReason]] = lambda: None,
+                   ) -> tuple[Agent, ScriptedLLM, list[int], list[dict]]:
+    """An Agent on ``turns`` and the prompt init would render for a one-message task."""
+    renderer = renderer_for(str(tiny_tokenizer_dir))
+    llm = ScriptedLLM(renderer, turns)
+    agent = Agent(llm=llm, renderer=renderer, parser=get_parser("hermes"), tools=tuple(tools), executor=executor,
+                  limits=Limits(max_turns=max_turns, max_new_tokens=max_new_tokens, max_model_len=max_model_len,
+                                tool_timeout_s=10),
+                  stop_reason=stop_reason)
+    messages = [{"role": "user", "content": "What is in the workspace?"}]
+    return agent, llm, renderer.initial_prompt(messages, tool_schemas(list(tools))), messages
+
+
+def assert_exactly_the_scripted_tokens(trajectory: Trajectory, calls: list[dict]) -> None:
+    """Every generation is the scripted ids and logprobs at its place; the loss mask covers exactly them."""
+    generations = [t for t in trajectory.turns if t.kind == "generation"]
+    assert len(generations) == len(calls)
+    generated = set()
+    for turn, call in zip(generations, calls):
+        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[:turn.start]
+        assert trajectory.response_ids[turn.start:turn.end] == call["output_ids"]
+        assert trajectory.logprobs[turn.start:turn.end] == call["logprobs"]
+        generated.update(range(turn.start, turn.end))
+    assert [i for i, m in enumerate(trajectory.loss_mask) if m == 1] == sorted(generated)
+    assert all(trajectory.logprobs[i] == 0.0 for i, m in enumerate(trajectory.loss_mask) if m == 0)
+    assert len(trajectory.response_ids) == len(trajectory.logprobs) == len(trajectory.loss_mask)
+
+
+def test_the_agent_runs_tool_call_observation_and_final_answer_with_exactly_the_scripted_tokens(
+        tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("forty-two\n")
+    turns = ["Let me look.\n" + tool_call("bash", command="cat notes.txt"),
+             "And a file that is not there.\n" + tool_call("bash", command="cat missing.txt"),
+             tool_call("no_such_tool", x=1),
+             "It says forty-two.\n" + tool_call("finish", answer="42")]
+    with create_sandbox("bwrap", SandboxSpec("job-agent", str(tmp_path), tools=("bash", "finish"))) as box:
+        agent, llm, prompt_ids, messages = scripted_agent(tiny_tokenizer_dir, turns, executor=box)
+        episode = agent.run(prompt_ids, messages)
+
+    trajectory = episode.trajectory
+    assert (episode.answer, trajectory.finish_reason.value, trajectory.truncated) == ("42", "finished", False)
+    assert [t.kind for t in trajectory.turns] == ["generation", "observation"] * 3 + ["generation"]
+    observations = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+    assert "forty-two" in observations[0]
+    assert "No such file or directory" in observations[1]  # a tool error is an observation, the episode goes on
+    assert "no_such_tool" in observations[2] and "bash" in observations[2]
+    assert trajectory.prompt_ids == prompt_ids
+    assert all(t.backend_id == "scripted" and t.policy_version == 3 for t in trajectory.turns if t.kind == "generation")
+    assert_exactly_the_scripted_tokens(trajectory, llm.calls)
+
+
+CALLING = [tool_call("no_such_tool", step=k) for k in range(6)]
+LIMITS = {  # limit -> (agent settings, scripted turns, generations made)
+    "max_turns": (dict(max_turns=2), CALLING, 2),
+    "context_length": (dict(), CALLING, 1),  # max_model_len: room for one turn and its observation, not two
+    "length": (dict(max_new_tokens=5), ["Let me think " * 40], 1),
+    "no_tool_call": (dict(), ["I will not call a tool."], 1),
+    "deadline": (dict(), CALLING, 1),  # the stop check says deadline once a turn was made
+}
+
+
+@pytest.mark.parametrize("limit", LIMITS, ids=list(LIMITS))
+def test_a_limit_ends_the_agents_episode_with_its_finish_reason_and_exact_tokens(
+        tiny_tokenizer_dir: Path, limit: str) -> None:
+    _, turns, generations = LIMITS[limit]
+    settings: dict[str, Any] = dict(LIMITS[limit][0])
+    made: list[dict] = []
+    if limit == "deadline":
+        settings["stop_reason"] = lambda: FinishReason.deadline if made else None
+    if limit == "context_length":
+        _, _, prompt_ids, _ = scripted_agent(tiny_tokenizer_dir, turns)
+        settings["max_model_len"] = len(prompt_ids) + 60
+    agent, llm, prompt_ids, messages = scripted_agent(tiny_tokenizer_dir, turns, **settings)
+    llm.calls = made
+
+    trajectory = agent.run(prompt_ids, messages).trajectory
+    assert trajectory.finish_reason.value == limit
+    assert trajectory.truncated == (FinishReason(limit) in TRUNCATING_REASONS)
+    assert len(llm.calls) == generations
+    if limit == "context_length":
+        assert len(trajectory.prompt_ids) + len(trajectory.response_ids) <= settings["max_model_len"]
+    assert_exactly_the_scripted_tokens(trajectory, llm.calls)
