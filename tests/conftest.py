@@ -8,7 +8,7 @@ import redis
 
 from rollout_service.redis_server import RedisServer
 
-pytest_plugins = ["tests.fixtures_service", "tests.fixtures_tokens", "tests.fixtures_slurm"]
+pytest_plugins = ["tests.fixtures_service", "tests.fixtures_tokens", "tests.fixtures_slurm", "tests.fixtures_celery"]
 
 
 @pytest.fixture(scope="session")

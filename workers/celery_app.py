@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from queue import Empty
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import redis
 from celery import Celery
@@ -59,12 +59,20 @@ class Transport(kombu_redis.Transport):
     Channel = _Channel
 
 
-def make_celery(settings: Settings) -> Celery:
-    url = settings.broker_url or resolve_redis_url(settings)
+def create_app(settings: Optional[Settings] = None) -> Celery:
+    """The Celery app of every process, configured from ``settings``, or else from this process's
+    settings when its configuration is first used (importing this module needs no Redis). The
+    module's ``app`` is that one: the celery CLI (``-A workers.celery_app``) and the task modules
+    use it; tests build their own."""
+    app = Celery("rollout", include=["workers.init", "workers.run", "workers.eval", "workers.control"])
+    app.add_defaults(lambda: celery_config(settings or get_settings()))
+    return app
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
     visibility_s = max(settings.visibility_timeout_s, int(settings.job_deadline_s) * 2)
-    app = Celery("rollout", broker=url, include=[
-        "workers.init", "workers.run", "workers.eval", "workers.control"])
-    app.conf.update(
+    return dict(
+        broker_url=settings.broker_url or resolve_redis_url(settings),
         broker_transport=f"{__name__}:Transport",  # a name: a worker reports it in its stats (JSON)
         task_ignore_result=True,
         result_backend=None,
@@ -82,10 +90,9 @@ def make_celery(settings: Settings) -> Celery:
         task_send_sent_event=False,  # one more broker round trip per publish; Flower starts at "received"
         worker_hijack_root_logger=False,
     )
-    return app
 
 
-app = make_celery(get_settings())
+app = create_app()
 
 
 @celeryd_init.connect
