@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import redis
 
 from rollout_service.errors import StoreUnavailable
 
