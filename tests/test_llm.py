@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +12,7 @@ from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
 from tests.helpers import (assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, slow_script,
                            tool_call, wait_for)
+from workers import dispatch
 
 
 def start_server(tmp_path: Path, tokenizer: Path, script: dict) -> ReferenceServerProcess:
@@ -149,7 +147,7 @@ def test_removing_a_backend_mid_run_moves_its_jobs_and_records_the_move(client, 
 
 
 def test_a_job_gets_its_first_call_with_its_run_stage_and_leaves_no_call_or_backend_held(
-        client, scripted_backend, service):
+        client, scripted_backend, service, celery_app):
     """Init records the model of an episode whose first step is an LLM call (its sandbox, if any,
     boots during that call); the run worker sends that call's start_call with the stage's begin.
     Every call so counted is ended and every assignment released, whether the episode used it or
@@ -176,8 +174,8 @@ def test_a_job_gets_its_first_call_with_its_run_stage_and_leaves_no_call_or_back
     try:
         time.sleep(1)  # a housekeeping round under way ends
         done = finishing.job_ids[0]  # its run message delivered again: the stage finds the job done and skips
-        subprocess.run([sys.executable, "-c", f"from workers import dispatch; dispatch.send_stage('run', [{done!r}])"],
-                       env={**os.environ, **service.env}, check=True, timeout=60)
+        celery_app(service.redis_url)
+        dispatch.send_stage("run", [done])
         wait_for(lambda: assignments()[0] == total + 1, what="the early first call to assign a backend")
         wait_for(lambda: assignments()[1] == 0 and redis.hlen("rollout:backend:calls") == 0, timeout_s=20,
                  what="the unused first call to be ended and its assignment released")
