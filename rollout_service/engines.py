@@ -43,9 +43,9 @@ def vllm_env(kv_cache_gib: float) -> dict[str, str]:
 
 
 def wait_engine_ready(url: str, process: subprocess.Popen, log_path: Optional[Path],
-                      timeout_s: float = VLLM_START_TIMEOUT_S) -> None:
-    """Until ``url``/health answers 200; an engine that exits or never answers is a ConfigError
-    quoting its log's tail (no AVX2, out of memory, a port taken ...)."""
+                      timeout_s: float = VLLM_START_TIMEOUT_S, poll_s: float = 1.0) -> None:
+    """Until ``url``/health answers 200, asked every ``poll_s``; an engine that exits or never
+    answers is a ConfigError quoting its log's tail (no AVX2, out of memory, a port taken ...)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -56,7 +56,7 @@ def wait_engine_ready(url: str, process: subprocess.Popen, log_path: Optional[Pa
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(poll_s)
     raise ConfigError(f"the engine at {url} did not answer /health within {timeout_s:.0f} s; {_tail(log_path)}")
 
 

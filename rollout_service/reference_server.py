@@ -41,10 +41,11 @@ from rollout_service.reference_engines import (
     GenerateParams,
     RequestError,
     ScriptEngine,
-    scripted_logprob,
+    body_field,
+    generate_params,
+    token_ids_field,
 )
-
-__all__ = ["ReferenceServerProcess", "create_app", "main", "scripted_logprob"]
+from rollout_service.reference_model_engine import ModelEngine
 
 DEFAULT_MAX_TOKENS_VLLM = 16
 DEFAULT_MAX_TOKENS_SGLANG = 128
@@ -74,82 +75,6 @@ class RequestLog:
 def _error(message: str, status: int) -> tuple[Response, int]:
     kind = "BadRequestError" if status < 500 else "InternalServerError"
     return jsonify({"error": {"message": message, "type": kind, "param": None, "code": status}}), status
-
-
-def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise RequestError(f"{name!r} must be a {getattr(kind, '__name__', kind)}, got {value!r}")
-    return value
-
-
-def _token_ids(value: Any, name: str) -> list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
-        value = value[0]
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise RequestError(f"{name!r} must be a list of token ids (a batch of one at most)")
-    return value
-
-
-_BOUNDS: dict[str, tuple[float, float, bool, str]] = {  # low, high, low excluded, as written (vLLM's and SGLang's)
-    "min_p": (0.0, 1.0, False, "[0, 1]"),
-    "presence_penalty": (-2.0, 2.0, False, "[-2, 2]"),
-    "frequency_penalty": (-2.0, 2.0, False, "[-2, 2]"),
-    "repetition_penalty": (0.0, 2.0, True, "(0, 2]"),
-}
-
-
-def _bounded(body: dict[str, Any], name: str, default: float) -> float:
-    value = _field(body, name, float, default)
-    low, high, low_excluded, written = _BOUNDS[name]
-    if not (low < value if low_excluded else low <= value) or value > high:
-        raise RequestError(f"{name!r} must be in {written}, got {value}")
-    return value
-
-
-def _logit_bias(value: Any) -> dict[int, float]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise RequestError(f"'logit_bias' must be an object of token id -> bias, got {value!r}")
-    biases = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-            raise RequestError(f"'logit_bias' keys must be token ids, got {key!r}")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise RequestError(f"'logit_bias' values must be numbers, got {bias!r} for token {key}")
-        biases[int(key)] = min(100.0, max(-100.0, float(bias)))  # vLLM clamps to [-100, 100]
-    return biases
-
-
-def _params(body: dict[str, Any], max_tokens: int, seed_key: str, min_tokens_key: str) -> GenerateParams:
-    params = GenerateParams(
-        max_tokens=max_tokens,
-        temperature=_field(body, "temperature", float, 1.0),
-        top_p=_field(body, "top_p", float, 1.0),
-        top_k=_field(body, "top_k", int, -1),
-        seed=_field(body, seed_key, int, None),
-        stop_token_ids=_token_ids(body.get("stop_token_ids") or [], "stop_token_ids"),
-        ignore_eos=_field(body, "ignore_eos", bool, False),
-        min_p=_bounded(body, "min_p", 0.0),
-        presence_penalty=_bounded(body, "presence_penalty", 0.0),
-        frequency_penalty=_bounded(body, "frequency_penalty", 0.0),
-        repetition_penalty=_bounded(body, "repetition_penalty", 1.0),
-        min_tokens=_field(body, min_tokens_key, int, 0),
-        logit_bias=_logit_bias(body.get("logit_bias")),
-    )
-    if params.max_tokens < 1:
-        raise RequestError(f"the maximum number of new tokens must be >= 1, got {params.max_tokens}")
-    if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
-    if not 0 <= params.min_tokens <= params.max_tokens:
-        raise RequestError(f"{min_tokens_key!r} must be in [0, {params.max_tokens}] (the maximum number of new "
-                           f"tokens), got {params.min_tokens}")
-    return params
 
 
 class Generations:
@@ -184,7 +109,7 @@ class Generations:
         if isinstance(body.get(text_key), str):
             return self.engine.encode(body[text_key])
         if body.get(ids_key) is not None:
-            return _token_ids(body[ids_key], ids_key)
+            return token_ids_field(body[ids_key], ids_key)
         raise RequestError(f"give the prompt as {ids_key!r} (a list of token ids) or {text_key!r} (text)")
 
 
@@ -265,11 +190,12 @@ def add_completions_route(app: Flask, generations: Generations, model_name: str)
         body = _json_body()
         if body.get("stream"):
             raise RequestError("streaming is not supported by the reference server; set stream=false")
-        if _field(body, "n", int, 1) != 1:
+        if body_field(body, "n", int, 1) != 1:
             raise RequestError("only n=1 is supported by the reference server")
         prompt_ids = generations.prompt(body, "prompt", "prompt")
-        params = _params(body, _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS_VLLM), "seed", "min_tokens")
-        logprobs_k = _field(body, "logprobs", int, None)
+        max_tokens = body_field(body, "max_tokens", int, DEFAULT_MAX_TOKENS_VLLM)
+        params = generate_params(body, max_tokens, "seed", "min_tokens")
+        logprobs_k = body_field(body, "logprobs", int, None)
         params.top_logprobs = logprobs_k or 0
         completion = generations.run("vllm", prompt_ids, params)
         choice = _completion_choice(generations.engine, body, prompt_ids, completion, logprobs_k is not None)
@@ -286,8 +212,8 @@ def add_completions_route(app: Flask, generations: Generations, model_name: str)
 
 def _completion_choice(engine: Engine, body: dict[str, Any], prompt_ids: list[int], completion: Completion,
                        with_logprobs: bool) -> dict[str, Any]:
-    skip = _field(body, "skip_special_tokens", bool, True)
-    as_ids = _field(body, "return_tokens_as_token_ids", bool, False)
+    skip = body_field(body, "skip_special_tokens", bool, True)
+    as_ids = body_field(body, "return_tokens_as_token_ids", bool, False)
     choice: dict[str, Any] = {
         "index": 0,
         "text": engine.decode(completion.token_ids, skip),
@@ -298,7 +224,7 @@ def _completion_choice(engine: Engine, body: dict[str, Any], prompt_ids: list[in
         "prompt_logprobs": None,
         "prompt_token_ids": None,
     }
-    if _field(body, "return_token_ids", bool, False):
+    if body_field(body, "return_token_ids", bool, False):
         choice["token_ids"] = completion.token_ids
         choice["prompt_token_ids"] = prompt_ids
     if with_logprobs:
@@ -338,12 +264,12 @@ def add_sglang_routes(app: Flask, generations: Generations) -> None:
         if not isinstance(sampling, dict):
             raise RequestError("'sampling_params' must be an object")
         prompt_ids = generations.prompt(body, "input_ids", "text")
-        max_new_tokens = _field(sampling, "max_new_tokens", int, DEFAULT_MAX_TOKENS_SGLANG)
-        params = _params(sampling, max_new_tokens, "sampling_seed", "min_new_tokens")
+        max_new_tokens = body_field(sampling, "max_new_tokens", int, DEFAULT_MAX_TOKENS_SGLANG)
+        params = generate_params(sampling, max_new_tokens, "sampling_seed", "min_new_tokens")
         started = time.monotonic()
         completion = generations.run("sglang", prompt_ids, params)
         meta = _generate_meta(engine, body, prompt_ids, completion, time.monotonic() - started)
-        skip = _field(sampling, "skip_special_tokens", bool, True)
+        skip = body_field(sampling, "skip_special_tokens", bool, True)
         return jsonify({"text": engine.decode(completion.token_ids, skip), "output_ids": completion.token_ids,
                         "meta_info": meta})
 
@@ -372,8 +298,8 @@ def _generate_meta(engine: Engine, body: dict[str, Any], prompt_ids: list[int], 
         "cached_tokens": 0,
         "e2e_latency": latency_s,
     }
-    if _field(body, "return_logprob", bool, False):
-        with_text = _field(body, "return_text_in_logprobs", bool, False)
+    if body_field(body, "return_logprob", bool, False):
+        with_text = body_field(body, "return_text_in_logprobs", bool, False)
         meta["output_token_logprobs"] = [
             [lp, t, engine.decode([t], False) if with_text else None]
             for t, lp in zip(completion.token_ids, completion.logprobs)
@@ -494,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_engine(args: argparse.Namespace) -> ScriptEngine | ModelEngine:
+def build_engine(args: argparse.Namespace) -> Engine:
     if args.script is not None:
         if not args.tokenizer:
             raise SystemExit("--script needs --tokenizer PATH (the tokenizer the rollouts use)")

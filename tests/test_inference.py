@@ -12,14 +12,15 @@ from typing import Callable
 import httpx
 import pytest
 
-from rollout_service.errors import (BackendError, BackendRejected, BackendTimeout, BackendUnreachable,
+from rollout_service.errors import (BackendError, BackendRejected, BackendTimeout, BackendUnreachable, ConfigError,
                                     ContextWindowExceeded, UnknownName)
 from rollout_service.http_pool import Abort, Aborted
 from rollout_service import inference
 from rollout_service.inference import (COMPLETIONS_PATH, GENERATE_PATH, ReferenceClient, SGLangClient, VLLMClient,
                                       make_client)
 from rollout_service.redis_server import free_port
-from rollout_service.reference_server import ReferenceServerProcess, scripted_logprob
+from rollout_service.reference_engines import scripted_logprob
+from rollout_service.reference_server import ReferenceServerProcess
 from rollout_service.schemas import Sampling
 from rollout_service.tokens import ChatRenderer, load_tokenizer
 from tests.fixtures_tokens import logged_requests
@@ -194,9 +195,18 @@ def test_a_bad_script_stops_the_server_at_startup_with_the_reason(tmp_path, tiny
     script.write_text(json.dumps({"episodes": [{"turns": ["hi"]}]}))
     server = ReferenceServerProcess(["--script", str(script), "--tokenizer", str(tiny_tokenizer_dir)],
                                     port=free_port(), log_path=tmp_path / "server.log")
-    with pytest.raises(RuntimeError, match='episode 0 needs a "match" string'):
+    with pytest.raises(ConfigError, match='exited with code 1 while starting(.|\n)*episode 0 needs a "match" string'):
         server.start(timeout_s=30)
 
+
+def test_a_server_not_healthy_in_time_is_a_config_error_and_is_stopped(tmp_path, tiny_tokenizer_dir):
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"episodes": [{"match": "", "turns": ["hi"]}]}))
+    server = ReferenceServerProcess(["--script", str(script), "--tokenizer", str(tiny_tokenizer_dir)],
+                                    port=free_port(), log_path=tmp_path / "server.log")
+    with pytest.raises(ConfigError, match=f"the engine at {server.url} did not answer /health within 0 s"):
+        server.start(timeout_s=0.01)
+    assert server.process is not None and server.process.poll() is not None
 
 def test_the_server_log_can_be_cleared(scripted_server, renderer):
     url = scripted_server(SCRIPT)
