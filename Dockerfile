@@ -6,5 +6,5 @@ WORKDIR /app
 COPY setup.cfg pyproject.toml README.md ./
 COPY rollout_service rollout_service
 COPY workers workers
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e ".[swe]"
 ENV ROLLOUT_STATE_DIR=/state

@@ -88,7 +88,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[reference,test]"
+	$(PY) -m pip install -q -e ".[reference,test,swe]"
 	@touch $(STAMP)
 
 clean:
