@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import redis
 
+from rollout_service.enqueue import Enqueue
 from rollout_service.errors import NotFound, ValidationError
 from rollout_service.schemas import (
     TERMINAL_STATUSES, BatchFilter, BatchGroup, BatchGroupsPage, BatchRequest, BatchStatus, BatchView,
@@ -57,7 +58,6 @@ MAX_WAIT_S = 30.0
 POLL_S = 0.05
 WIRE_EXCLUDES = {"groups": {"__all__": {"rollouts": {"__all__": {"trajectory"}}}}}  # the SDK fills them in
 
-Enqueue = Callable[[list[str], str], None]  # job ids, the stage they start at
 Cancel = Callable[[str], None]
 
 # ARGV[1] batch key, ARGV[2] now, ARGV[3] ttl; scripts add their own arguments after these.
@@ -420,18 +420,11 @@ def cancel_member(jobs: JobStore, job_id: str) -> None:
         jobs.cancel(job_id, announce=False)
 
 
-def enqueue_jobs(job_ids: list[str], stage: str) -> None:
-    from workers import dispatch
-
-    dispatch.enqueue_jobs(job_ids, stage)
-
-
 class BatchControl:
     """What the gateway and the control task do to a batch: submit, react to a finished member,
     cancel, and heal what a crashed worker left half done."""
 
-    def __init__(self, jobs: JobStore, enqueue: Enqueue = enqueue_jobs,
-                 cancel: Optional[Cancel] = None) -> None:
+    def __init__(self, jobs: JobStore, enqueue: Enqueue, cancel: Optional[Cancel] = None) -> None:
         self.jobs = jobs
         self.batches = BatchStore(jobs.redis, jobs.settings.job_ttl_s)
         self.enqueue = enqueue

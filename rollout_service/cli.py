@@ -49,7 +49,7 @@ def local_address(settings: Settings) -> str:
 def gateway_command(settings: Settings, bind: Optional[str] = None) -> list[str]:
     return [sys.executable, "-m", "gunicorn", "--workers", str(settings.gateway_workers),
             "--threads", "8", "--bind", f"{bind or settings.bind_host}:{settings.port}", "--timeout", "120",
-            "--graceful-timeout", "10", "rollout_service.gateway:create_app()"]
+            "--graceful-timeout", "10", "workers.wsgi:create_app()"]
 
 
 def worker_command(settings: Settings, queue: str, options: WorkerOptions = WorkerOptions()) -> list[str]:

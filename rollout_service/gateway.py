@@ -1,9 +1,10 @@
 """The HTTP gateway: validates, writes the job record, enqueues the chain, answers 202.
 
-Stateless (everything lives in Redis) and never blocks on a rollout. ``create_app`` is
-the factory gunicorn serves: ``gunicorn 'rollout_service.gateway:create_app()'``. The routes
-live in rollout_service/api/ (jobs, backends, batches, ops); this module wires them together
-with authentication and the error answers.
+Stateless (everything lives in Redis) and never blocks on a rollout. ``create_app`` is the
+factory; it takes the door to the queues (``Enqueuer``) from its caller, and gunicorn serves
+``workers.wsgi:create_app()``, which passes workers.dispatch. The routes live in
+rollout_service/api/ (jobs, backends, batches, ops); this module wires them together with
+authentication and the error answers.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTo
 
 from rollout_service.api import backends, batches, jobs, ops
 from rollout_service.api.common import id_converter, public_paths, reply, route_for_endpoint, validation_message
+from rollout_service.enqueue import Enqueuer
 from rollout_service.errors import RequestTooLarge, RolloutError, StoreUnavailable, Unauthorized
 from rollout_service.settings import Settings, get_settings
 
@@ -24,10 +26,11 @@ log = logging.getLogger(__name__)
 BLUEPRINTS = (ops.blueprint, jobs.blueprint, backends.blueprint, batches.blueprint)
 
 
-def create_app(settings: Settings | None = None) -> Flask:
+def create_app(settings: Settings | None = None, *, enqueue: Enqueuer) -> Flask:
     settings = settings or get_settings()
     app = Flask(__name__, static_folder=None)
     app.config["SETTINGS"] = settings
+    app.config["ENQUEUER"] = enqueue
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_mb * 2 ** 20
     app.url_map.converters["id"] = id_converter()
     for blueprint in BLUEPRINTS:

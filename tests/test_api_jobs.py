@@ -130,7 +130,7 @@ def test_a_wait_answers_once_ends_stop_coming_not_a_whole_linger_later(client, s
 
 
 def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_write_cancels_what_it_made(
-        service, monkeypatch):
+        service):
     from rollout_service.schemas import JobRequest
     from rollout_service.settings import Settings
     from rollout_service.store import JOB_INDEX, JobStore
@@ -146,22 +146,26 @@ def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_wr
 
     enqueued: list[list[str]] = []
     stages: list[str] = []
-    monkeypatch.setattr(api_jobs, "enqueue", lambda job_ids, stage: (enqueued.append(job_ids), stages.append(stage)))
+    def record(job_ids: list[str], stage: str) -> None:
+        enqueued.append(job_ids)
+        stages.append(stage)
+
     requests = [JobRequest(task=math_task("1+1"), n=n) for n in (3, 2, 4, 1, 5, 2)]
     jobs = JobStore(service.redis(), Settings.from_env(service.env))
 
-    made = api_jobs.create_streaming(jobs, requests[:4], message_jobs=4)
+    made = api_jobs.create_streaming(jobs, requests[:4], message_jobs=4, enqueue=record)
     assert [len(ids) for ids, _ in made] == [3, 2, 4, 1]
     assert enqueued == [made[0][0] + made[1][0], made[2][0], made[3][0]]  # each message once it holds 4 jobs
     assert stages == ["run"] * 3  # math prepares cheaply: its jobs skip init (tasks.first_stage)
     stages.clear()
     api_jobs.create_streaming(JobStore(jobs.redis, dataclasses.replace(jobs.settings, init_in_run=False)),
-                              requests[:1], message_jobs=4)
+                              requests[:1], message_jobs=4, enqueue=record)
     assert stages == ["init"]
 
     enqueued.clear()
     with pytest.raises(ConnectionError):
-        api_jobs.create_streaming(FailingThirdWrite(service.redis(), jobs.settings), requests, message_jobs=4)
+        api_jobs.create_streaming(FailingThirdWrite(service.redis(), jobs.settings), requests, message_jobs=4,
+                                  enqueue=record)
     assert len(enqueued) == 2 and all(jobs.status(j).value == "cancelled" for ids in enqueued for j in ids)
 
     def broker_down_at_second_message(job_ids, stage):
@@ -170,9 +174,8 @@ def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_wr
         enqueued.append(job_ids)
 
     enqueued.clear()
-    monkeypatch.setattr(api_jobs, "enqueue", broker_down_at_second_message)
     with pytest.raises(ConnectionError):
-        api_jobs.create_streaming(jobs, requests, message_jobs=4)
+        api_jobs.create_streaming(jobs, requests, message_jobs=4, enqueue=broker_down_at_second_message)
     written = jobs.redis.zrange(JOB_INDEX, -9, -1)  # the last 9 jobs written: 5 enqueued, 4 not
     assert len(enqueued[0]) == 5 and all(jobs.status(j.decode()).value == "cancelled" for j in written)
 

@@ -5,9 +5,29 @@ import re
 import threading
 import time
 
+from typing import Iterable
+
 import httpx
 import pytest
 import redis
+
+
+class RecordingEnqueuer:
+    """An ``Enqueuer`` for a gateway built in the test process: it keeps what the routes send."""
+
+    def __init__(self, served: set[str] = frozenset()) -> None:
+        self.jobs: list[tuple[list[str], str]] = []
+        self.scores: list[str] = []
+        self.served = set(served)
+
+    def enqueue_jobs(self, job_ids: Iterable[str], stage: str) -> None:
+        self.jobs.append((list(job_ids), stage))
+
+    def submit_score(self, score_id: str) -> None:
+        self.scores.append(score_id)
+
+    def served_queues(self, client: redis.Redis) -> set[str]:
+        return self.served
 
 
 @pytest.mark.parametrize("body, status, fragment", [
@@ -58,7 +78,7 @@ def test_openapi_describes_every_flask_route_and_nothing_else(service, redis_url
     from rollout_service.gateway import create_app
     from rollout_service.settings import Settings
 
-    app = create_app(Settings(redis_url=redis_url, api_token="s3cret"))
+    app = create_app(Settings(redis_url=redis_url, api_token="s3cret"), enqueue=RecordingEnqueuer())
     served = {(m.lower(), re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule))
               for rule in app.url_map.iter_rules() if not rule.redirect_to for m in rule.methods - {"HEAD", "OPTIONS"}}
     spec = app.test_client().get("/openapi.json").json
@@ -81,6 +101,26 @@ def test_openapi_describes_every_flask_route_and_nothing_else(service, redis_url
         assert schema in spec["components"]["schemas"]
 
 
+def test_the_gateway_enqueues_and_reads_the_queues_through_the_enqueuer_its_factory_was_given(redis_url):
+    from rollout_service.gateway import create_app
+    from rollout_service.settings import Settings
+
+    enqueuer = RecordingEnqueuer(served={"init", "run"})
+    web = create_app(Settings(redis_url=redis_url), enqueue=enqueuer).test_client()
+    task = {"domain": "math", "problem": "1+1", "answer": "2"}
+    submitted = web.post("/v1/jobs", json={"task": task, "n": 2})
+    assert submitted.status_code == 202, submitted.json
+    assert enqueuer.jobs == [(submitted.json["job_ids"], "run")]  # math prepares cheaply: no init hop
+
+    batch = web.post("/v1/batches", json={"tasks": [task], "group_size": 2, "target_groups": 1})
+    assert batch.status_code == 202, batch.json
+    assert len(enqueuer.jobs) == 2 and len(enqueuer.jobs[1][0]) == 2 and enqueuer.jobs[1][1] == "run"
+
+    ready = web.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json == {"ready": False, "redis": True, "queues": {"init": True, "run": True, "eval": False}}
+
+
 def test_without_a_token_the_document_asks_for_none(service):
     spec = httpx.get(f"{service.url}/openapi.json").json()
     assert "security" not in spec and "401" not in spec["paths"]["/v1/jobs"]["post"]["responses"]
@@ -95,7 +135,7 @@ def test_bearer_auth_guards_v1_routes_when_a_token_is_set(monkeypatch, redis_url
     from rollout_service.gateway import create_app
     from rollout_service.settings import Settings
 
-    app = create_app(Settings(redis_url=redis_url, api_token="s3cret"))
+    app = create_app(Settings(redis_url=redis_url, api_token="s3cret"), enqueue=RecordingEnqueuer())
     web = app.test_client()
     assert web.get("/v1/backends").status_code == 401
     assert web.get("/v1/backends", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -113,7 +153,7 @@ def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redi
     settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.3, redis_retries=6)
     job_ids, _ = JobStore(service_client(settings), settings).create_jobs(
         JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"}))
-    web = create_app(settings).test_client()
+    web = create_app(settings, enqueue=RecordingEnqueuer()).test_client()
     assert web.get(f"/v1/jobs/{job_ids[0]}").status_code == 200
     stall = threading.Thread(target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "1000", "ALL"))
     stall.start()
@@ -125,7 +165,7 @@ def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redi
     assert time.monotonic() - started > 0.5  # it did meet the stall, and rode it out
 
     settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.2, redis_retries=1)
-    web = create_app(settings).test_client()
+    web = create_app(settings, enqueue=RecordingEnqueuer()).test_client()
     stall = threading.Thread(target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "2000", "ALL"))
     stall.start()
     time.sleep(0.1)
@@ -288,7 +328,7 @@ def test_a_body_over_the_request_size_limit_is_a_413_naming_the_setting(redis_ur
     from rollout_service.gateway import create_app
     from rollout_service.settings import Settings
 
-    web = create_app(Settings(redis_url=redis_url, max_request_mb=1)).test_client()
+    web = create_app(Settings(redis_url=redis_url, max_request_mb=1), enqueue=RecordingEnqueuer()).test_client()
     body = b'{"task": {"domain": "math", "problem": "' + b"x" * 2 ** 20 + b'", "answer": "2"}}'
     response = web.post("/v1/jobs", data=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "ROLLOUT_MAX_REQUEST_MB" in response.json["error"]["message"]
@@ -375,7 +415,7 @@ def test_a_non_get_on_a_public_route_is_a_405_even_with_a_token(redis_url):
     from rollout_service.gateway import create_app
     from rollout_service.settings import Settings
 
-    web = create_app(Settings(redis_url=redis_url, api_token="s3cret")).test_client()
+    web = create_app(Settings(redis_url=redis_url, api_token="s3cret"), enqueue=RecordingEnqueuer()).test_client()
     for path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/ui/", "/ui"):
         response = web.post(path)
         assert response.status_code == 405, (path, response.status_code)

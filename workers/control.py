@@ -171,6 +171,6 @@ def batch_member_done(job_id: str) -> str:
     what the batch no longer needs (see rollout_service.batches)."""
     from rollout_service.batches import BatchControl
 
-    decision = BatchControl(job_store()).member_done(job_id)
+    decision = BatchControl(job_store(), dispatch.enqueue_jobs).member_done(job_id)
     log.info("batch member %s: %s", job_id, decision)
     return decision

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import redis
 
 from rollout_service.errors import RolloutError, StoreUnavailable
-from rollout_service.schemas import JobRequest, JobStatus, ScoreRequest, ScoreResponse
+from rollout_service.schemas import JobRequest, ScoreRequest
+from rollout_service.scoring import complete_scored
 from rollout_service.store import with_field
 from rollout_service.tasks import get_handler
 from workers import dispatch
@@ -30,13 +30,6 @@ def score_job(ctx: StageContext) -> None:
     # the trajectory as run stored it, byte for byte, but the reward
     ctx.results["trajectory"] = with_field(stored, "reward", scored.reward)
     complete_scored(ctx, artifact, scored, eval_end=time.time())
-
-
-def complete_scored(ctx: StageContext, artifact: dict[str, Any], scored: ScoreResponse, **fields: Any) -> None:
-    """What a scored job leaves (this stage, or run for a quick score): its result and a completed move
-    with the reward and ``fields``."""
-    ctx.results["result"] = {"artifact": artifact, "details": scored.details}
-    ctx.finish_as = (JobStatus.completed, {**fields, "reward": scored.reward})
 
 
 TRANSIENT = (StoreUnavailable, redis.ConnectionError, redis.TimeoutError)

@@ -12,9 +12,11 @@ from rollout_service.harness import ChatSession, harness_messages, new_api_key, 
 from rollout_service.harness_presets import read_only_dirs
 from rollout_service.llm import CALL_GATE, PooledLLM
 from rollout_service.metrics_recording import record_episode
+from rollout_service.preparation import prepare_job
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
 from rollout_service.sandbox.base import BackgroundStart
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
+from rollout_service.scoring import complete_scored
 from rollout_service.settings import get_settings
 from rollout_service.store import JobStore
 from rollout_service.tasks import get_handler, quick_score, restore_workspace
@@ -22,8 +24,6 @@ from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
-from workers.eval import complete_scored
-from workers.init import prepare_job
 from workers.stage import Slots, StageContext, job_store, run_stage_jobs
 
 slots = Slots()

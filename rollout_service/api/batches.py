@@ -5,10 +5,11 @@ import time
 
 from flask import Blueprint, Response, g
 
-from rollout_service.api.common import Query, body, int_arg, reply, route, seconds_arg, settings, store
-from rollout_service.api.jobs import check_job, idempotent, served_models
+from rollout_service.api.common import Query, body, enqueuer, int_arg, reply, route, seconds_arg, settings, store
+from rollout_service.api.jobs import idempotent, served_models
 from rollout_service.batches import MAX_WAIT_S, POLL_S, WIRE_EXCLUDES, BatchControl, validate
 from rollout_service.errors import ValidationError
+from rollout_service.preparation import check_job
 from rollout_service.schemas import BatchCreated, BatchGroupsPage, BatchRequest, BatchStatus, BatchView
 
 blueprint = Blueprint("batches", __name__)
@@ -16,7 +17,7 @@ blueprint = Blueprint("batches", __name__)
 
 def control() -> BatchControl:
     if "batch_control" not in g:
-        g.batch_control = BatchControl(store())
+        g.batch_control = BatchControl(store(), enqueuer().enqueue_jobs)
     return g.batch_control
 
 

@@ -15,6 +15,7 @@ import pydantic
 from flask import Blueprint, Response, current_app, g, request
 from werkzeug.routing import BaseConverter
 
+from rollout_service.enqueue import Enqueuer
 from rollout_service.errors import NotFound, UnsupportedMediaType, ValidationError
 from rollout_service.settings import Settings
 from rollout_service.store import JobStore, redis_client
@@ -120,6 +121,11 @@ def route_for_endpoint(endpoint: Optional[str]) -> Optional[Route]:
 
 def settings() -> Settings:
     return current_app.config["SETTINGS"]
+
+
+def enqueuer() -> Enqueuer:
+    """The queues' door the app was built with (``create_app(..., enqueue=...)``)."""
+    return current_app.config["ENQUEUER"]
 
 
 def store() -> JobStore:

@@ -11,21 +11,20 @@ import msgpack
 from flask import Blueprint, Response, request
 
 from rollout_service.api.common import (
-    ID_PATTERN, MSGPACK, Query, body, check_id, cursor_arg, id_arg, int_arg, reply, route, settings, store,
-    wants_msgpack,
+    ID_PATTERN, MSGPACK, Query, body, check_id, cursor_arg, enqueuer, id_arg, int_arg, reply, route, settings,
+    store, wants_msgpack,
 )
 from rollout_service.backends import BackendPool
-from rollout_service.batches import enqueue_jobs as enqueue  # a module attribute: tests replace it
+from rollout_service.enqueue import Enqueue
 from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
-from rollout_service.harness_presets import check_harness
+from rollout_service.preparation import check_job
 from rollout_service.schemas import (
     MAX_LIST_JOBS, AgentConfig, BulkJobRequest, BulkSubmitResponse, JobIdsRequest, JobList, JobRequest,
     JobStatus, JobView, Sampling, ScoreRequest, ScoreResponse, SubmitResponse, TrajectoriesResponse,
     Trajectory, WaitRequest, WaitResponse,
 )
 from rollout_service.store import FINISHED_CHANNEL, JobStore, new_id, unpack
-from rollout_service.tasks import first_stage, get_handler
-from rollout_service.toolcalls import PARSERS
+from rollout_service.tasks import first_stage
 
 blueprint = Blueprint("jobs", __name__)
 WAIT_RECHECK_S = 0.5
@@ -33,45 +32,7 @@ WAIT_LINGER_S = 0.05  # once enough jobs ended, how long at most to wait for mor
 WAIT_QUIET_S = 0.01  # ... and how long after the last end: a wave of ends is over once they stop coming
 
 
-# -- submission checks ------------------------------------------------------------------
-def check_job(task: dict[str, Any], sampling: Sampling, agent: AgentConfig, models: list[str],
-              where: str = "", task_at: str = "") -> None:
-    """What the schema cannot see, checked before anything is stored: the task's own fields,
-    the model against the registered backends, and the agent's tools and tool parser.
-    Field names in messages start with ``where`` (``jobs[3]``) and the task's with ``task_at``
-    (default ``<where>.task``; a batch passes ``tasks[0]``). ``models`` empty skips the model
-    check (no backend yet: init says so, unless one registers before then)."""
-    at = f"{where}." if where else ""
-    task_at = task_at or f"{at}task"
-    try:
-        handler = get_handler(task["domain"])
-    except UnknownName as exc:
-        raise ValidationError(f"{task_at}.domain: {exc.message}") from None
-    try:
-        handler.validate(task)
-    except ValidationError as exc:
-        message = exc.message
-        raise ValidationError(task_at + message[4:] if message.startswith("task.") else
-                              f"{task_at}: {message}") from None
-    if models and sampling.model is None and len(models) > 1:
-        raise ValidationError(f"{at}sampling.model is required when several models are served; "
-                              f"choose one of {models}")
-    if models and sampling.model is not None and sampling.model not in models:
-        raise ValidationError(f"{at}sampling.model {sampling.model!r} is not served; registered models: {models}")
-    if agent.tools is not None:
-        offered = handler.offered_tools(task)
-        unknown = sorted(set(agent.tools) - set(offered))
-        if unknown:
-            raise ValidationError(f"{at}agent.tools {unknown} are not offered by domain {handler.name!r}"
-                                  f"{f' ({task_at})' if where or task_at != 'task' else ''}; "
-                                  f"it offers {list(offered)}")
-    if agent.harness is not None:
-        check_harness(agent.harness, at)
-    if agent.tool_parser not in PARSERS:
-        raise ValidationError(f"{at}agent.tool_parser {agent.tool_parser!r} is unknown; "
-                              f"valid: {', '.join(sorted(PARSERS))}")
-
-
+# -- submission -------------------------------------------------------------------------
 def check_rollouts(field: str, rollouts: int) -> None:
     cap = settings().max_rollouts_per_request
     if rollouts > cap:
@@ -99,7 +60,8 @@ def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str
     return response, False
 
 
-def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: int) -> list[tuple[list[str], str]]:
+def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: int,
+                     enqueue: Enqueue) -> list[tuple[list[str], str]]:
     """Create and enqueue the requests' jobs a stage message at a time, so init starts on the first
     ones while the rest are still being written (1,000 jobs took ~60 ms to write). Should a write
     fail part way, the jobs already created are cancelled (best effort) and the error is raised."""
@@ -136,7 +98,7 @@ def submit() -> Response:
 
     def make() -> dict[str, Any]:
         job_ids, group_id = store().create_jobs(job)
-        enqueue(job_ids, first_stage(job, store().settings))
+        enqueuer().enqueue_jobs(job_ids, first_stage(job, store().settings))
         return {"job_ids": job_ids, "group_id": group_id}
 
     return reply(idempotent("", make)[0], 202)
@@ -152,7 +114,7 @@ def submit_bulk() -> Response:
         check_job(job.task, job.sampling, job.agent, models, where=f"jobs[{i}]")
 
     def make() -> dict[str, Any]:
-        created = create_streaming(store(), bulk.jobs, settings().stage_batch_max_jobs)
+        created = create_streaming(store(), bulk.jobs, settings().stage_batch_max_jobs, enqueuer().enqueue_jobs)
         return {"submissions": [{"job_ids": job_ids, "group_id": gid} for job_ids, gid in created]}
 
     return reply(idempotent("bulk:", make)[0], 202)
@@ -270,14 +232,12 @@ def cancel_job(jobs: JobStore, job_id: str) -> JobView:
 @route(blueprint, "post", "/v1/score", "Score a submission against a task, without an agent",
        request=ScoreRequest, response=ScoreResponse, errors=(400, 504))
 def score() -> Response:
-    from workers import dispatch
-
     req = ScoreRequest.model_validate(body())
     check_job(req.task, Sampling(), AgentConfig(), [])
     jobs = store()
     score_id = new_id("score")
     jobs.put_blob(score_id, "score-request", req.model_dump(mode="json"))
-    dispatch.submit_score(score_id)
+    enqueuer().submit_score(score_id)
     timeout_s = settings().eval_timeout_s + 30
     answer = jobs.pop_within(JobStore.key(score_id, "score-result"), timeout_s)
     if answer is None:

@@ -7,8 +7,10 @@ import redis
 from flask import Blueprint, Response
 
 from rollout_service import metrics
-from rollout_service.api.common import reply, route, settings, store
+from rollout_service.api.common import enqueuer, reply, route, settings, store
+from rollout_service.openapi import spec
 from rollout_service.schemas import Health, Readiness
+from rollout_service.store import STAGES
 
 blueprint = Blueprint("ops", __name__)
 
@@ -21,15 +23,13 @@ def healthz() -> Response:
 @route(blueprint, "get", "/readyz", "Redis reachable and every stage queue served by a worker",
        response=Readiness, public=True, errors=(503,), error_models=((503, Readiness),))
 def readyz() -> Response:
-    from workers import dispatch
-
     try:
         store().redis.ping()
-        served = dispatch.served_queues(store().redis)
+        served = enqueuer().served_queues(store().redis)
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         return reply({"ready": False, "redis": False, "reason": str(exc)}, 503)
-    missing = [q for q in dispatch.STAGES if q not in served]
-    body = {"ready": not missing, "redis": True, "queues": {q: q in served for q in dispatch.STAGES}}
+    missing = [q for q in STAGES if q not in served]
+    body = {"ready": not missing, "redis": True, "queues": {q: q in served for q in STAGES}}
     return reply(body, 200 if not missing else 503)
 
 
@@ -41,8 +41,6 @@ def prometheus() -> Response:
 
 @route(blueprint, "get", "/openapi.json", "This document", public=True, errors=())
 def openapi() -> Response:
-    from rollout_service.openapi import spec
-
     return reply(spec(token_required=bool(settings().api_token)))
 
 

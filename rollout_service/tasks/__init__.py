@@ -16,7 +16,9 @@ from rollout_service.settings import Settings
 
 
 @dataclass
-class Prepared:
+class TaskSetup:
+    """A handler's part of preparing a job (``preparation.prepare_job`` renders it into ``schemas.Prepared``)."""
+
     messages: list[dict[str, Any]]
     tools: tuple[str, ...]
     image: Optional[str] = None
@@ -31,7 +33,7 @@ class DomainHandler(Protocol):
 
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]: ...
 
-    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared: ...
+    def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup: ...
 
     def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
                  execute: Any) -> dict[str, Any]: ...

@@ -30,7 +30,7 @@ from typing import Any, Optional
 from rollout_service.errors import ValidationError
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
-from rollout_service.tasks import Prepared, require
+from rollout_service.tasks import TaskSetup, require
 from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading_workspace, read_sandbox_file,
                                              tagged_json)
 
@@ -106,7 +106,7 @@ class CodeHandler:
         if task.get("image") is not None:
             require(task, "image", str, self.name)
 
-    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
+    def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         workspace.mkdir(parents=True, exist_ok=True)
         if is_humaneval(task):
             (workspace / SOLUTION_FILE).write_text(task["prompt"])
@@ -116,7 +116,7 @@ class CodeHandler:
         else:
             user = (f"{task['text'].strip()}\n\nYour code should pass tests like this one:\n```python\n"
                     f"{task['test_list'][0]}\n```\nWhen you are done, call finish with the complete code.")
-        return Prepared(
+        return TaskSetup(
             messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
                       {"role": "user", "content": user}],
             tools=self.tools, image=task.get("image"),

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rollout_service.schemas import ScoreResponse
-from rollout_service.tasks import Prepared, require
+from rollout_service.tasks import TaskSetup, require
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+|/[1-9]\d*)?")
@@ -33,8 +33,8 @@ class MathHandler:
         require(task, "problem", str, self.name)
         require(task, "answer", (str, int, float), self.name)
 
-    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
-        return Prepared(
+    def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
+        return TaskSetup(
             messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
                       {"role": "user", "content": task["problem"]}],
             tools=self.tools,

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from rollout_service.errors import ValidationError
 from rollout_service.schemas import ScoreResponse
-from rollout_service.tasks import Prepared, require
+from rollout_service.tasks import TaskSetup, require
 
 LETTERS = "ABCDEFGHIJ"
 MIN_CHOICES, MAX_CHOICES = 2, len(LETTERS)
@@ -102,11 +102,11 @@ class StemHandler:
     def offered_tools(self, task: dict[str, Any]) -> tuple[str, ...]:
         return ("ipython", "finish") if task.get("python") else ("finish",)
 
-    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
+    def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         options = "\n".join(f"{LETTERS[i]}. {choice}" for i, choice in enumerate(task["choices"]))
         user = (f"{task['question'].strip()}\n\n{options}\n\n"
                 "Call finish with the letter of the correct choice.")
-        return Prepared(
+        return TaskSetup(
             messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
                       {"role": "user", "content": user}],
             tools=self.offered_tools(task),

@@ -36,7 +36,7 @@ from typing import Any, Optional
 from rollout_service.errors import TaskError, ValidationError
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
-from rollout_service.tasks import Prepared, require
+from rollout_service.tasks import TaskSetup, require
 from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading_workspace, read_sandbox_file,
                                              read_untrusted_file, sandbox_path, shell)
 
@@ -214,7 +214,7 @@ class SweHandler:
                                         and timeout > 0):
             raise ValidationError(f"task.timeout_s must be a positive number of seconds, got {timeout!r}")
 
-    def prepare(self, task: dict[str, Any], workspace: Path) -> Prepared:
+    def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         clear_directory(workspace)
         if task.get("repo_path"):
             materialize(task["repo_path"], task["base_commit"], workspace, shallow=False)
@@ -226,7 +226,7 @@ class SweHandler:
         user = (f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
                 f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "
                 "hidden tests will check it. When you are done, call finish.")
-        return Prepared(
+        return TaskSetup(
             messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
                       {"role": "user", "content": user}],
             tools=self.tools, image=task.get("image"), extra={"repo_dir": repo_dir},

@@ -1,0 +1,73 @@
+"""rollout_service/preparation.py: one set of submission checks for the gateway and the first stage,
+and the package boundaries it makes possible (nothing in rollout_service depends on workers; no
+stage module imports another)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout_service.schemas import JobRequest
+from rollout_service.settings import Settings
+from rollout_service.store import JobStore
+from rollout_service.tasks import first_stage
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_MODULES = ("init", "run", "eval", "control")
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_nothing_in_rollout_service_imports_workers() -> None:
+    offenders = {str(path.relative_to(ROOT)): sorted(n for n in imported_modules(path)
+                                                    if n == "workers" or n.startswith("workers."))
+                 for path in (ROOT / "rollout_service").rglob("*.py")}
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_no_stage_module_imports_another() -> None:
+    for stage in STAGE_MODULES:
+        others = {f"workers.{other}" for other in STAGE_MODULES if other != stage}
+        assert imported_modules(ROOT / "workers" / f"{stage}.py") & others == set(), stage
+
+
+@pytest.mark.parametrize("task", [
+    {"domain": "math", "problem": "1+1"},  # prepares cheaply: starts in run
+    {"domain": "swe", "instance_id": "x", "base_commit": "abc1234"},  # starts in init
+], ids=["math-run", "swe-init"])
+def test_a_task_past_the_gateway_fails_in_its_first_stage_with_the_gateways_message(
+        service, scripted_backend, task) -> None:
+    scripted_backend({"episodes": []})  # without one, run's first call fails first (no_backend)
+    answer = httpx.post(f"{service.url}/v1/jobs", json={"task": task}, timeout=30)
+    assert answer.status_code == 400
+    message = answer.json()["error"]["message"]
+    assert message.startswith("task.") and "required" in message, message
+
+    settings = Settings.from_env(service.env)
+    request = JobRequest(task=task)
+    jobs = JobStore(service.redis(), settings)
+    job_ids, _ = jobs.create_jobs(request)  # written as the gateway would, without its checks
+    stage = first_stage(request, settings)
+    assert stage == ("run" if task["domain"] == "math" else "init")
+    subprocess.run([sys.executable, "-c", f"from workers import dispatch; dispatch.enqueue_jobs({job_ids!r}, {stage!r})"],
+                   env={**os.environ, **service.env}, check=True, timeout=60, cwd=ROOT)
+    wait_for(lambda: jobs.view(job_ids[0]).status.value not in ("queued", "initializing", "running"),
+             timeout_s=60, what=f"the job to end in {stage}")
+    view = jobs.view(job_ids[0])
+    assert view.status.value == "failed"
+    assert view.error is not None and (view.error.code, view.error.message) == ("invalid_request", message)
