@@ -57,7 +57,7 @@ from rollout_service.engines import VLLMServer  # noqa: E402
 from rollout_service import inference  # noqa: E402
 from rollout_service.inference import VLLMClient  # noqa: E402
 from rollout_service.local_service import local_service  # noqa: E402
-from rollout_service.models import build_smollm2  # noqa: E402
+from rollout_service.models import SMOLLM2_LT_TOKEN_ID, build_smollm2  # noqa: E402
 from rollout_service.redis_server import free_port  # noqa: E402
 from rollout_service.schemas import Sampling  # noqa: E402
 from rollout_service.tokens import ChatRenderer, renderer_for  # noqa: E402
@@ -69,7 +69,7 @@ MODEL = "smollm2"
 TOOLS = ("finish",)
 PARSER = "hermes"
 METRIC_LINE = re.compile(r"^(vllm:prefix_cache_(?:hits|queries))(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
-TOOL_CALL_TOKENS = {"<": 44, "response": 7639}  # SmolLM2's ids: "<tool_call>" opens with "<", "<tool_response>" ends in "response"
+TOOL_CALL_TOKENS = {"<": SMOLLM2_LT_TOKEN_ID, "response": 7639}  # SmolLM2's ids: "<tool_call>" opens with "<", "<tool_response>" ends in "response"
 
 
 def pct(values: list[float], q: float) -> float:

