@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
 
 
@@ -53,7 +54,7 @@ def _require_domain(task: dict[str, Any]) -> dict[str, Any]:
     return task
 
 
-TASK_SCHEMA = {"required": ["domain"], "additionalProperties": True, "properties": {"domain": {
+TASK_SCHEMA: JsonDict = {"required": ["domain"], "additionalProperties": True, "properties": {"domain": {
     "type": "string", "minLength": 1, "description": "math | stem | code | swe"}},
     "description": "the domain's fields (checked by its handler: a missing or mistyped one is a 400); other "
                    "fields, such as a dataset row's extra columns, are kept with the job and ignored"}
@@ -99,6 +100,8 @@ class Sampling(_Strict):
     @field_validator(*_SAMPLING_BOUNDS)
     @classmethod
     def _within_bounds(cls, value: float, info: ValidationInfo) -> float:
+        if info.field_name is None:
+            raise TypeError("_within_bounds validates fields of Sampling only")
         low, high, low_excluded, written = _SAMPLING_BOUNDS[info.field_name]
         if not (low < value if low_excluded else low <= value) or value > high:
             raise PydanticCustomError("sampling_bound", "must be in {bound}, got {value}",

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -86,9 +88,9 @@ class Settings:
     shutdown_grace_s: float = 15.0  # `up` stopping: each rank of pieces (gateway, workers, backends, Redis) gets this long before it is killed
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
         environ = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(f"ROLLOUT_{f.name.upper()}")
             if raw is None:
@@ -135,7 +137,7 @@ class Settings:
 
         return "/dev/shm" if _is_writable_tmpfs("/dev/shm") else tempfile.gettempdir()
 
-    def replace(self, **changes: object) -> "Settings":
+    def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
 
 
