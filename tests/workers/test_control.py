@@ -1,0 +1,70 @@
+"""The control worker: its housekeeping sends the stage of a job whose worker died again (and the
+stage gives up past ROLLOUT_MAX_REDELIVERIES), and it decides a batch's groups as their members end."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Callable
+
+from rollout_service.client import RolloutClient
+from rollout_service.schemas import BackendView, JobRequest, JobStatus
+from rollout_service.settings import Settings
+from rollout_service.store import JobStore
+from tests.fixtures_service import Service
+from tests.helpers import math_task, server_log, tool_call
+
+DEAD_LEASE_S = 1  # the dead workers' leases lapse at once
+
+
+def job_whose_run_worker_died(service: Service, problem: str, model: str, deliveries: int) -> str:
+    """A math job (enqueued nowhere) whose run stage was delivered ``deliveries`` times to workers that
+    died mid-stage, the last long enough ago for housekeeping to count it lost."""
+    settings = dataclasses.replace(Settings.from_env(service.env), lease_ttl_s=DEAD_LEASE_S)
+    store = JobStore(service.redis(), settings, on_finished=[])
+    (job_id,), _ = store.create_jobs(JobRequest(task=math_task(problem), sampling={"model": model}))  # type: ignore[arg-type]
+    for delivery in range(deliveries):
+        if delivery:
+            time.sleep(DEAD_LEASE_S + 0.1)
+        (verdict, _, _), = store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running,
+                                              f"dead-worker-{delivery}", skipping=(JobStatus.queued, "init_start"))
+        assert verdict == "ok", verdict
+    store.set_fields(job_id, run_start=time.time() - 600)
+    return job_id
+
+
+def test_housekeeping_sends_the_run_of_a_job_whose_worker_died_again_and_the_job_completes_once(
+        service: Service, client: RolloutClient, scripted_model: Callable[[dict], BackendView],
+        model_name: str) -> None:
+    problem = f"Orphan ({uuid.uuid4().hex[:6]})"
+    backend = scripted_model({"episodes": [{"match": problem, "turns": [tool_call("finish", answer="4")]}]})
+    job_id = job_whose_run_worker_died(service, problem, model_name, deliveries=1)
+    view, = client.wait([job_id], timeout_s=60)
+
+    assert (view.status, view.reward, view.attempts) == (JobStatus.completed, 1.0, 2), view.error
+    assert len(server_log(backend.url)) == 1
+    assert f"job {job_id} lost its run worker" in service.log("worker-control")
+
+
+def test_a_stage_delivered_more_than_max_redeliveries_times_fails_the_job_with_redelivery_limit(
+        service: Service, client: RolloutClient, model_name: str) -> None:
+    limit = Settings.from_env(service.env).max_redeliveries
+    job_id = job_whose_run_worker_died(service, f"Crashing ({uuid.uuid4().hex[:6]})", model_name, deliveries=limit)
+    view, = client.wait([job_id], timeout_s=60)
+
+    assert view.status == JobStatus.failed and view.error is not None and view.attempts == limit + 1
+    assert view.error.code == "redelivery_limit"
+    assert f"delivered {limit + 1} times" in view.error.message and "ROLLOUT_MAX_REDELIVERIES" in view.error.message
+
+
+def test_the_control_worker_accepts_a_batchs_group_once_its_members_end_and_completes_the_batch(
+        client: RolloutClient, scripted_model: Callable[[dict], BackendView], model_name: str) -> None:
+    problem = f"Batch ({uuid.uuid4().hex[:6]})"
+    scripted_model({"episodes": [{"match": problem, "turns": [tool_call("finish", answer="4")]}]})
+    run = client.batch([math_task(problem)], group_size=2, target_groups=1, sampling={"model": model_name},
+                       progress=False, timeout_s=60)
+    group, = run.groups()
+    view = run.view()
+
+    assert [r.reward for r in group.rollouts] == [1.0, 1.0]
+    assert (view.status.value, view.reason, view.accepted, view.in_flight) == ("completed", "target_reached", 1, 0)
