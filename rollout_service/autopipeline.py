@@ -210,14 +210,14 @@ class SharedPipeline(redis.client.Pipeline):
 
     def __init__(self, client: AutoPipelineRedis) -> None:
         super().__init__(client.connection_pool, client.response_callbacks, False, None)
-        self.client = client
+        self.owner = client
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         commands, scripts = list(self.command_stack), list(self.scripts)
         self.reset()
         if not commands:
             return []
-        replies = self.client.run_together(commands, scripts)
+        replies = self.owner.run_together(commands, scripts)
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -229,7 +229,7 @@ class SharedPipeline(redis.client.Pipeline):
         commands, scripts = list(self.command_stack), list(self.scripts)
         self.reset()
         if commands:
-            self.client.run_together(commands, scripts, wait=False)
+            self.owner.run_together(commands, scripts, wait=False)
 
 
 class ScriptLoadingRedis(redis.Redis):
@@ -248,13 +248,13 @@ class ScriptLoadingRedis(redis.Redis):
 class ScriptLoadingPipeline(redis.client.Pipeline):
     def __init__(self, client: ScriptLoadingRedis, transaction: bool, shard_hint: Any) -> None:
         super().__init__(client.connection_pool, client.response_callbacks, transaction, shard_hint)
-        self.client = client
+        self.owner = client
 
     def load_scripts(self) -> None:
         for script in self.scripts:
-            if script.sha not in self.client.loaded_scripts:
+            if script.sha not in self.owner.loaded_scripts:
                 self.immediate_execute_command("SCRIPT LOAD", script.script)
-                self.client.loaded_scripts.add(script.sha)
+                self.owner.loaded_scripts.add(script.sha)
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         """As redis-py's, and a script the server forgot (restart, SCRIPT FLUSH) is loaded again and
@@ -264,10 +264,10 @@ class ScriptLoadingPipeline(redis.client.Pipeline):
         for position, reply in enumerate(replies):
             args, options = commands[position] if position < len(commands) else ((), {})
             if isinstance(reply, NoScriptError) and args[:1] == ("EVALSHA",) and args[1] in scripts:
-                self.client.loaded_scripts.clear()
+                self.owner.loaded_scripts.clear()
                 try:
-                    self.client.execute_command("SCRIPT", "LOAD", scripts[args[1]].script)
-                    replies[position] = self.client.execute_command(*args, **options)
+                    self.owner.execute_command("SCRIPT", "LOAD", scripts[args[1]].script)
+                    replies[position] = self.owner.execute_command(*args, **options)
                 except Exception as exc:
                     replies[position] = exc
         if raise_on_error:

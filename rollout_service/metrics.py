@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import redis
 
@@ -88,9 +88,9 @@ def _unacked_route(raw: bytes) -> tuple[str, str]:
 
 def _render_counters(out: Exposition, client: redis.Redis) -> None:
     by_name: dict[str, list[tuple[str, float]]] = defaultdict(list)
-    for field, value in client.hgetall(COUNTERS_KEY).items():
+    for field, raw in cast("dict[bytes, bytes]", client.hgetall(COUNTERS_KEY)).items():
         name, _, labels = as_text(field).partition("|")
-        by_name[name].append((labels, float(value)))
+        by_name[name].append((labels, float(raw)))
     for name, help_text in COUNTERS.items():
         out.family(f"{name}_total", "counter", help_text)
         for labels, value in sorted(by_name[name]):
@@ -99,7 +99,7 @@ def _render_counters(out: Exposition, client: redis.Redis) -> None:
 
 def _render_histograms(out: Exposition, client: redis.Redis) -> None:
     series: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    for field, value in client.hgetall(HISTOGRAMS_KEY).items():
+    for field, value in cast("dict[bytes, bytes]", client.hgetall(HISTOGRAMS_KEY)).items():
         name, labels, part = as_text(field).split("|")
         series[(name, labels)][part] = float(value)
     for name, histogram in HISTOGRAMS.items():
@@ -125,11 +125,12 @@ def render(client: redis.Redis) -> str:
               [(f'queue="{q}"', reserved) for q, (_, reserved) in depths.items()])
     out.gauge("rollout_queue_depth", "Messages not yet started: waiting plus reserved-but-unstarted.",
               [(f'queue="{q}"', waiting + reserved) for q, (waiting, reserved) in depths.items()])
-    out.gauge("rollout_live_jobs", "Jobs not yet in a terminal state.", [("", client.scard(LIVE_JOBS))])
+    out.gauge("rollout_live_jobs", "Jobs not yet in a terminal state.",
+              [("", cast(int, client.scard(LIVE_JOBS)))])
     out.gauge("rollout_sandboxes_alive", "Sandboxes registered (started and not yet stopped or reaped).",
-              [("", client.zcard(EXPIRY_KEY))])
+              [("", cast(int, client.zcard(EXPIRY_KEY)))])
     out.gauge("rollout_sandboxes_expired", "Registered sandboxes past their expiry, waiting for the reaper.",
-              [("", client.zcount(EXPIRY_KEY, "-inf", time.time()))])
+              [("", cast(int, client.zcount(EXPIRY_KEY, "-inf", time.time())))])
     _render_counters(out, client)
     _render_histograms(out, client)
     _render_backends(out, BackendPool(client))

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlencode
 
 import redis
@@ -32,7 +32,7 @@ def find_redis_server() -> str:
     if path:
         return path
     try:
-        import redis_server  # type: ignore[import-not-found]  # pip package "redis-server" bundles a binary
+        import redis_server  # pip package "redis-server" bundles a binary
 
         return str(redis_server.REDIS_SERVER_PATH)
     except ImportError:
@@ -129,14 +129,14 @@ class RedisServer:
         write_private(self.data_dir / CONFIG_FILE, "\n".join(lines) + "\n")
         return [find_redis_server(), str(self.data_dir / CONFIG_FILE)]
 
-    def launch(self, command: list[str], **popen: object) -> subprocess.Popen:
+    def launch(self, command: list[str], **popen: Any) -> subprocess.Popen:
         """Start ``command`` as this server: files private, as the invoking user under sudo."""
         user = invoking_user()
         if user:
             for path in [self.data_dir, *self.data_dir.rglob("*")]:
                 os.chown(path, *user)
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_private_as(user), **popen)  # type: ignore[arg-type]
+                                        preexec_fn=_private_as(user), **popen)
         return self.process
 
     def start(self, ready_timeout_s: float = 10.0) -> "RedisServer":

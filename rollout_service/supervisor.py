@@ -123,21 +123,21 @@ class Supervisor:
         """Stop every piece, rank by rank (intake, workers, backends and monitoring, store), each
         rank given ``stop_grace_s`` to finish before it is killed."""
         for rank in sorted({c.stop_rank for c in self.children}):
-            group = [c for c in self.children if c.stop_rank == rank and c.process is not None]
-            for child in group:
+            group = [(c, c.process) for c in self.children if c.stop_rank == rank and c.process is not None]
+            for child, process in group:
                 child.restart_at = None
-                if child.process.poll() is None:
+                if process.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(child.process.pid, signal.SIGTERM)
+                        os.killpg(process.pid, signal.SIGTERM)
             deadline = time.monotonic() + self.stop_grace_s
-            for child in group:
+            for child, process in group:
                 try:
-                    child.process.wait(max(deadline - time.monotonic(), 0.1))
+                    process.wait(max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
                     self._say(f"{child.name} did not stop within {self.stop_grace_s:.0f} s; killing it")
-                    _kill_group(child.process.pid)
-                    child.process.wait()
-                _kill_group(child.process.pid)
+                    _kill_group(process.pid)
+                    process.wait()
+                _kill_group(process.pid)
 
     def _say(self, message: str) -> None:
         if self.report is not None:
