@@ -48,6 +48,6 @@ def test_a_cancel_mid_episode_ends_the_run_cancelled_with_the_turns_it_made(
     assert view.finish_reason.value == "cancelled"
     trajectory = client.trajectory(job_id)
     generations = [t for t in trajectory.turns if t.kind == "generation"]
-    assert trajectory.truncated and trajectory.finish_reason.value == "cancelled" and 2 <= len(generations) < 20
+    assert trajectory.truncated and trajectory.finish_reason.value == "cancelled" and 1 <= len(generations) < 20
     answered = server_log(backend.url)[:len(generations)]  # a call the cancel cut short has no turn
     assert_trajectory_is_exactly_what_the_server_returned(trajectory, answered)
