@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterable, Optional
 import httpx
 import redis
 
-from rollout_service.autopipeline import fire, submit, submit_commands
+from rollout_service.autopipeline import AutoPipelineRedis, fire, submit, submit_commands
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView, EngineResult
-from rollout_service.store import scripts_of
-from rollout_service.store import as_text
+from rollout_service.settings import get_settings
+from rollout_service.store import BEGIN_STAGE_ARGS, BEGIN_STAGE_FUNCTION, BeginCall, as_text, scripts_of
 
 FAILURES_TO_UNHEALTHY = 2
 
@@ -44,9 +44,13 @@ class AllBackendsDown(NoBackendAvailable):
 FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_call_soon's answer
 PROBE_THREADS = 32
 
-_LUA_KEYS = """
-local p = ARGV[1] .. ':backend:'
-local function key(a, b) if b then return p .. a .. ':' .. b end return p .. a end
+
+def _lua_keys(prefix_at: int) -> str:
+    """The key helpers of the registry's scripts, the prefix read from ARGV[prefix_at]."""
+    return f"\nlocal p = ARGV[{prefix_at}] .. ':backend:'\n" + _LUA_KEYS_BODY
+
+
+_LUA_KEYS_BODY = """local function key(a, b) if b then return p .. a .. ':' .. b end return p .. a end
 -- one backend as a flat row: id, url, kind, model, tokenizer, healthy, total, live (false if unknown)
 local function view_row(id)
   local f = redis.call('HMGET', key('info', id), 'url', 'kind', 'model', 'tokenizer', 'healthy',
@@ -57,6 +61,7 @@ local function view_row(id)
 end
 local function version() return redis.call('GET', key('version')) or '0' end
 """
+_LUA_KEYS = _lua_keys(1)
 
 _REGISTER = _LUA_KEYS + """
 local id, url, kind, model, tokenizer, healthy = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
@@ -96,7 +101,7 @@ return 1
 
 # acquire(job, model) -> {'ok', view row, version, '1' if the job held no backend before} or an error
 # tuple the client turns into an exception.
-_LUA_ACQUIRE = _LUA_KEYS + """
+_ACQUIRE_FUNCTION = """
 local function acquire(job, model)
   local job_key = key('job', job)
   local current = redis.call('GET', job_key)
@@ -143,6 +148,7 @@ local function acquire(job, model)
   return {'none_healthy', model, unpack(urls)}
 end
 """
+_LUA_ACQUIRE = _LUA_KEYS + _ACQUIRE_FUNCTION
 
 _ACQUIRE = _LUA_ACQUIRE + "return acquire(ARGV[2], ARGV[3])"
 
@@ -163,6 +169,21 @@ local answer = acquire(ARGV[2], model)
 if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), ARGV[2], 1) end
 return answer
 """
+
+# The run stage's begin (store.BEGIN_STAGE_FUNCTION) and, once begun, its first LLM call (as
+# _START_CALL's for a first call), in one script: ARGV after the begin's: prefix, job. Answers
+# {the begin's answer, the first call's ('later' if init recorded no model) or false}.
+_BEGIN_RUN = BEGIN_STAGE_FUNCTION + _lua_keys(BEGIN_STAGE_ARGS + 1) + _ACQUIRE_FUNCTION + """
+local begun = begin_stage()
+if begun[1] ~= 'ok' then return {begun, false} end
+local job = ARGV[BEGIN_STAGE_ARGS + 2]
+local model = redis.call('HGET', KEYS[1], 'first_call_model')
+if not model then return {begun, {'later'}} end
+if redis.call('EXISTS', key('paused')) == 1 then return {begun, {'paused'}} end
+local answer = acquire(job, model)
+if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), job, 1) end
+return {begun, answer}
+""".replace("BEGIN_STAGE_ARGS", str(BEGIN_STAGE_ARGS))
 
 _RELEASE = _LUA_KEYS + """
 local job = ARGV[2]
@@ -326,6 +347,46 @@ return redis.call('ZCARD', key('gates'))
 """
 
 
+class CallEnds:
+    """What a green run worker sends Redis as its episodes' LLM calls end (a call's accounting, its
+    checks, the policy version), held for ``call_end_batch_ms`` and sent together: the calls that end
+    within that window share one round trip. Each round trip wakes Redis up, which costs it more CPU
+    than the few commands it carries."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Callable[[], Callable[[], Any]], Any]] = []
+        self._pid = 0
+
+    def later(self, client: redis.Redis, send: Callable[[], Callable[[], Any]]) -> Callable[[], Any]:
+        """``send()`` (which queues commands and returns what waits for their replies) at the end
+        of the current window; what waits for the replies, at once. Elsewhere than in a green worker,
+        ``send()`` now."""
+        window_s = get_settings().call_end_batch_ms / 1000
+        if window_s <= 0 or not isinstance(client, AutoPipelineRedis):
+            return send()
+        import gevent
+        from gevent.event import AsyncResult
+
+        if self._pid != os.getpid():
+            self._pid, self.queued = os.getpid(), []
+        sent = AsyncResult()
+        if not self.queued:
+            gevent.spawn_later(window_s, self.send_now)
+        self.queued.append((send, sent))
+        return lambda: sent.get()()
+
+    def send_now(self) -> None:
+        queued, self.queued = self.queued, []
+        for send, sent in queued:
+            try:
+                sent.set(send())
+            except Exception as exc:  # queueing failed: its caller sees why
+                sent.set_exception(exc)
+
+
+CALL_ENDS = CallEnds()
+
+
 def backend_id_for(url: str) -> str:
     """Deterministic id of the backend at ``url`` (same url, same id, in every process)."""
     return "be-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
@@ -343,7 +404,7 @@ class BackendPool:
             redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
             _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL, _RENEW_GATE, _RELEASE_GATE, _OPEN_GATES,
             _WEIGHTS_LOADED)
-        self._lapsed = scripts_of(redis_client, _LAPSED)[0]
+        self._lapsed, self._begin_run = scripts_of(redis_client, _LAPSED, _BEGIN_RUN)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, "backend", *parts))
@@ -402,7 +463,9 @@ class BackendPool:
         start before, which would hold a counted call while a trainer waits to sync weights);
         ``"later"`` for the others. The answer also says whether this call made the job's
         assignment (``drop_first_call`` undoes an unused one)."""
-        pending = submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"])
+        return self._first_call_answer(submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"]))
+
+    def _first_call_answer(self, pending: Callable[[], Any]) -> FirstCall:
         replies: list[Any] = []  # read once: prepare and the first call both ask
 
         def answer() -> tuple[BackendView | str, bool]:
@@ -416,6 +479,15 @@ class BackendPool:
                 replies.append((self._granted(reply), as_text(reply[3]) == "1"))
             return replies[1]
         return answer
+
+    def first_call_with_begin(self, job_id: str, answers: list[FirstCall]) -> BeginCall:
+        """``first_call_soon`` made by the script that begins the job's run stage
+        (``JobStore.begin_stages(calls=...)``): one script call for both, and none for a job whose
+        stage does not begin. Its answer is appended to ``answers``."""
+        def answered(reply: Any) -> None:
+            if reply is not None:
+                answers.append(self._first_call_answer(lambda: reply))
+        return BeginCall(self._begin_run, [self.prefix, job_id], answered)
 
     def drop_first_call(self, job_id: str, answer: FirstCall) -> None:
         """A first call granted by ``first_call_soon`` that will not be made: end it, and release
@@ -460,7 +532,9 @@ class BackendPool:
 
     def release(self, job_id: str) -> None:
         """The job is done with its backend (a green worker does not wait: its client's next
-        call, e.g. the end of the stage, is sent after this one)."""
+        call, e.g. the end of the stage, is sent after this one, and so are the call ends it held)."""
+        if CALL_ENDS.queued:
+            CALL_ENDS.send_now()
         fire(self.redis, self._release, args=[self.prefix, job_id])
 
     def move(self, job_id: str, dead_backend_id: str, model: str | None = None) -> BackendView:
@@ -576,14 +650,15 @@ class BackendPool:
     def end_counted_call(self, job_id: str) -> Callable[[], Optional[int]]:
         """``end_call`` for a call its start's answer says was counted, in two plain commands (its
         job's count stays at 0 until ``release``)."""
-        pending = submit_commands(self.redis, [("HINCRBY", self._key("calls"), job_id, -1),
-                                               ("GET", self._key("version"))])
+        pending = CALL_ENDS.later(self.redis, lambda: submit_commands(
+            self.redis, [("HINCRBY", self._key("calls"), job_id, -1), ("GET", self._key("version"))]))
         return self._version_of(pending, 1)
 
     def version_soon(self) -> Callable[[], Optional[int]]:
         """The policy version now, read with the next shared round trip (the end of a call its
         worker's gate carried, not counted here)."""
-        return self._version_of(submit_commands(self.redis, [("GET", self._key("version"))]), 0)
+        return self._version_of(CALL_ENDS.later(
+            self.redis, lambda: submit_commands(self.redis, [("GET", self._key("version"))])), 0)
 
     @staticmethod
     def _version_of(pending: Callable[[], list[Any]], at: int) -> Callable[[], Optional[int]]:
@@ -620,13 +695,16 @@ class BackendPool:
         return int(self._open_gates(args=[self.prefix]))
 
     def check_call_soon(self, job_id: str, job_key: str) -> Callable[[], tuple[str, str]]:
-        """What a call started under its worker's gate checks, in the next shared round trip (the
-        gate counts the call): ``("ok" | "cancelled", backend the job is assigned to)``."""
-        pending = submit_commands(self.redis, [("HGET", job_key, "cancel_requested"),
-                                               ("GET", self._key("job", job_id))])
+        """What a call started under its worker's gate checks once it has ended (the gate counts the
+        call): ``("ok" | "cancelled", backend the job is assigned to)``, read when first asked for,
+        so it rides the shared round trip of the call's end (``version_soon``) instead of one of its own."""
+        sent: list[Callable[[], list[Any]]] = []
 
         def answer() -> tuple[str, str]:
-            replies = pending()
+            if not sent:
+                sent.append(CALL_ENDS.later(self.redis, lambda: submit_commands(
+                    self.redis, [("HGET", job_key, "cancel_requested"), ("GET", self._key("job", job_id))])))
+            replies = sent[0]()
             if errors := [reply for reply in replies if isinstance(reply, Exception)]:
                 raise errors[0]
             cancel, assigned = replies

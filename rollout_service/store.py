@@ -92,23 +92,29 @@ end
 
 _TRANSITION = _MOVE + "return move(1)"
 
-# Everything a stage checks and records before its body, in one round trip.
+# Everything a stage checks and records before its body, in one round trip, as a Lua function other
+# scripts can begin with (backends.py: the run stage's begin with its first LLM call).
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
 # attempts field, start field, now, end field (a stage that already ended never runs again),
 # a status the stage may also begin from ('' none) and the field stamped then (the run stage of a
 # job that skipped init: it begins from queued and stamps init_start).
-_BEGIN_STAGE = """
-local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8])
-if not f[1] then return {'missing'} end
-local skipped = f[1] == ARGV[9]
-if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
-if f[2] == '1' then return {'cancelled'} end
-if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
-local attempts = redis.call('HINCRBY', KEYS[1], ARGV[5], 1)
-if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7], ARGV[10], ARGV[7])
-else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[6], ARGV[7]) end
-return {'ok', f[3], attempts, f[4] or '0'}
+BEGIN_STAGE_FUNCTION = """
+local function begin_stage()
+  local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8],
+                       ARGV[5])
+  if not f[1] then return {'missing'} end
+  local skipped = f[1] == ARGV[9]
+  if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
+  if f[2] == '1' then return {'cancelled'} end
+  if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
+  local attempts = tonumber(f[6] or '0') + 1
+  if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7], ARGV[10], ARGV[7])
+  else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7]) end
+  return {'ok', f[3], attempts, f[4] or '0'}
+end
 """
+BEGIN_STAGE_ARGS = 10  # a script that begins with begin_stage() reads its own ARGV after these
+_BEGIN_STAGE = BEGIN_STAGE_FUNCTION + "return begin_stage()"
 
 _END_STAGE = """
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
@@ -244,6 +250,16 @@ class StageEnd:
     fields: dict[str, Any] = dataclass_field(default_factory=dict)
     blobs: dict[str, Any] = dataclass_field(default_factory=dict)
     finish: Optional[tuple[JobStatus, dict[str, Any]]] = None
+
+
+@dataclass
+class BeginCall:
+    """A script a job's stage begins with instead of the plain begin: it starts with
+    ``BEGIN_STAGE_FUNCTION``, reads ``args`` after the begin's ARGV and answers ``{begin_stage()'s
+    answer, its own}``; ``answered`` takes its own answer."""
+    script: Script
+    args: list[Any]
+    answered: Callable[[Any], None]
 
 
 class JobStore:
@@ -561,27 +577,40 @@ class JobStore:
     # -- stages: one round trip in, one out ---------------------------------------------
     def begin_stages(self, job_ids: list[str], stage: str, previous: JobStatus, status: JobStatus, owner: str,
                      reads: tuple[str, ...] = (), skipping: Optional[tuple[JobStatus, str]] = None,
+                     calls: Optional[dict[str, "BeginCall"]] = None,
                      ) -> list[tuple[str, list[str], dict[str, Optional[bytes]]]]:
         """For each job: check it may enter ``stage``, take its lease, count the delivery and set its
         status: ``("ok", [deadline_at, attempts, rollout_index], blobs)``, or ``("skip", [status])``,
         ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``; ``blobs`` holds the packed
         blobs named in ``reads``. ``skipping``: (status, field) — a job in that status may enter too
-        (it skipped the stage before), and the field is stamped with the begin. One round trip for
-        all the jobs."""
+        (it skipped the stage before), and the field is stamped with the begin. ``calls``: per job,
+        a script that begins the stage the same way and does more in the same call (``BeginCall``).
+        One round trip for all the jobs."""
         also_from, stamp = skipping or (None, "")
         args = [previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
                 f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end",
                 also_from.value if also_from else "", stamp]
+        calls = calls or {}
         pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
         for job_id in job_ids:
-            self._begin_stage(keys=[self.key(job_id), self.key(job_id, "lease")], args=args, client=pipe)
+            keys = [self.key(job_id), self.key(job_id, "lease")]
+            call = calls.get(job_id)
+            if call is None:
+                self._begin_stage(keys=keys, args=args, client=pipe)
+            else:
+                call.script(keys=keys, args=[*args, *call.args], client=pipe)
             if reads:
                 pipe.mget([self.key(job_id, name) for name in reads])
         replies = self._execute(pipe)
         step = 2 if reads else 1
-        return [(as_text(reply[0]), [as_text(v) for v in reply[1:]],
-                 dict(zip(reads, replies[n * step + 1])) if reads else {})
-                for n, reply in enumerate(replies[::step])]
+        begun = []
+        for n, (job_id, reply) in enumerate(zip(job_ids, replies[::step])):
+            if job_id in calls:
+                reply, answer = reply
+                calls[job_id].answered(answer)
+            begun.append((as_text(reply[0]), [as_text(v) for v in reply[1:]],
+                          dict(zip(reads, replies[n * step + 1])) if reads else {}))
+        return begun
 
     def end_stages(self, ends: list[StageEnd], finished: Optional[Increments] = None) -> list[Optional[JobStatus]]:
         """For each job: store its blobs, make its terminal move if it has one, release its lease and

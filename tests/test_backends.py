@@ -744,3 +744,43 @@ def test_update_weights_loads_every_engine_of_the_model_and_names_those_that_fai
     finally:
         client.remove_backend(loaded.id)
         engine.stop()
+
+
+def test_the_run_stage_begin_makes_the_first_call_in_the_same_script_only_for_a_job_it_begins(
+        pool: BackendPool, redis_client: redis.Redis) -> None:
+    """``first_call_with_begin``: the stage's begin and the first call's start are one script call;
+    a job the begin refuses (cancelled, leased, already past the stage) gets no call, no assignment."""
+    from rollout_service.schemas import JobRequest, JobStatus
+    from rollout_service.store import JobStore
+
+    store = JobStore(redis_client)
+    register(pool, 2)
+    request = JobRequest.model_validate({"task": {"domain": "math", "problem": "1+1", "answer": "2"}})
+
+    def begin(job_id: str, owner: str = "w1") -> tuple[str, list]:
+        answers: list = []
+        (verdict, _, _), = store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running, owner,
+                                               skipping=(JobStatus.queued, "init_start"),
+                                               calls={job_id: pool.first_call_with_begin(job_id, answers)})
+        return verdict, answers
+
+    (job, later, cancelled), _ = store.create_many([request.model_copy(update={"n": 3})])[0]
+    redis_client.hset(store.key(job), "first_call_model", MODEL)
+    redis_client.hdel(store.key(later), "first_call_model")
+    verdict, answers = begin(job)
+    assert verdict == "ok" and len(answers) == 1
+    granted, assigned = answers[0]()
+    assert granted.id == pool.backend_of(job) and assigned
+    assert pool.inflight_calls() == 1 and sum(live(pool).values()) == 1
+    fields = store.fields(job)
+    assert fields["status"] == "running" and fields["attempts_run"] == "1" and fields["init_start"] == fields["run_start"]
+    assert begin(job, "w2") == ("leased", [])  # a duplicate delivery: no second call
+    assert pool.inflight_calls() == 1 and sum(live(pool).values()) == 1
+
+    verdict, answers = begin(later)  # init recorded no model: the episode's first call decides
+    assert verdict == "ok" and answers[0]() == ("later", False) and pool.backend_of(later) is None
+
+    store.request_cancel(cancelled)
+    assert begin(cancelled) == ("cancelled", [])
+    assert pool.backend_of(cancelled) is None and pool.inflight_calls() == 1
+    assert_exact(pool, redis_client)

@@ -18,7 +18,6 @@ from rollout_service.sandbox.base import BackgroundStart
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
 from rollout_service.scoring import complete_scored
 from rollout_service.settings import get_settings
-from rollout_service.store import JobStore
 from rollout_service.tasks import get_handler, quick_score, restore_workspace
 from rollout_service.tokens import renderer_for
 from rollout_service.toolcalls import get_parser
@@ -42,9 +41,10 @@ def run_jobs(job_ids: list[str]) -> None:
 
     def episode(job_id: str, beyond_first: bool) -> None:
         pool = BackendPool(job_store().redis)
-        first_call = [pool.first_call_soon(job_id, JobStore.key(job_id))]  # rides with the stage's begin
+        first_call: list[FirstCall] = []  # made by the script that begins the stage
         try:
-            run_stage_jobs([job_id], "run", lambda ctx: run_episode(ctx, pool, first_call))
+            run_stage_jobs([job_id], "run", lambda ctx: run_episode(ctx, pool, first_call),
+                           calls={job_id: pool.first_call_with_begin(job_id, first_call)})
         finally:
             if first_call:  # the episode did not take it (the job was done, cancelled or leased)
                 pool.drop_first_call(job_id, first_call.pop())

@@ -26,7 +26,7 @@ from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, 
 from rollout_service.metrics_recording import Increments
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
-from rollout_service.store import JobStore, StageEnd, redis_client, unpack
+from rollout_service.store import BeginCall, JobStore, StageEnd, redis_client, unpack
 from workers import celery_app, dispatch
 
 log = logging.getLogger(__name__)
@@ -202,14 +202,15 @@ def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None
 
 
 def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None],
-                   end_each: bool = False) -> list[str]:
+                   end_each: bool = False, calls: Optional[dict[str, BeginCall]] = None) -> list[str]:
     """Stage ``name`` for each job in turn, with one round trip to begin them all and one to end
     them all (``end_each``: one per job, as soon as its body returns, for a stage whose jobs take
     long enough that a finished one should not wait for the rest of its message); the jobs still
-    live go on to the next stage. Returns those, once published there."""
+    live go on to the next stage. ``calls``: what a job's begin also does (``JobStore.begin_stages``).
+    Returns those, once published there."""
     store, owner = job_store(), new_owner()
     begun = store.begin_stages(list(job_ids), name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner,
-                               STAGE_READS[name], BEGINS_SKIPPING.get(name))
+                               STAGE_READS[name], BEGINS_SKIPPING.get(name), calls)
     ended: list[StageEnd] = []
     statuses: list[Optional[JobStatus]] = []
     finished = Increments()  # the metrics of the jobs that ended: one write for the message
