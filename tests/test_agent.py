@@ -3,20 +3,24 @@ policy saw and produced, with the inference server's own logprobs."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 
 from rollout_service.agent import Agent, Executor, Limits
 from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, Trajectory
-from rollout_service.toolcalls import get_parser
 from rollout_service.tokens import ChatRenderer, renderer_for
-from rollout_service.trajectory import TrajectoryBuilder
+from rollout_service.toolcalls import get_parser
 from rollout_service.tools.schemas import tool_schemas
+from rollout_service.trajectory import TrajectoryBuilder
 from tests.helpers import (
-    assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, tool_call,
+    assert_trajectory_is_exactly_what_the_server_returned,
+    math_task,
+    server_log,
+    tool_call,
 )
 
 FIVE_TURNS = [
@@ -173,10 +177,10 @@ class ScriptedLLM:
         return ids
 
 
-def scripted_agent(tiny_tokenizer_dir: Path, turns: list[str], executor: Optional[Executor] = None,
+def scripted_agent(tiny_tokenizer_dir: Path, turns: list[str], executor: Executor | None = None,
                    tools: tuple[str, ...] = ("bash", "finish"), max_turns: int = 8, max_new_tokens: int = 256,
-                   max_model_len: Optional[int] = None,
-                   stop_reason: Callable[[], Optional[FinishReason]] = lambda: None,
+                   max_model_len: int | None = None,
+                   stop_reason: Callable[[], FinishReason | None] = lambda: None,
                    ) -> tuple[Agent, ScriptedLLM, list[int], list[dict]]:
     """An Agent on ``turns`` and the prompt init would render for a one-message task."""
     renderer = renderer_for(str(tiny_tokenizer_dir))
@@ -193,7 +197,7 @@ def assert_exactly_the_scripted_tokens(trajectory: Trajectory, calls: list[dict]
     """Every generation is the scripted ids and logprobs at its place; the loss mask covers exactly them."""
     generations = [t for t in trajectory.turns if t.kind == "generation"]
     assert len(generations) == len(calls)
-    generated = set()
+    generated: set[int] = set()
     for turn, call in zip(generations, calls):
         assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[:turn.start]
         assert trajectory.response_ids[turn.start:turn.end] == call["output_ids"]
@@ -211,12 +215,16 @@ def test_the_agent_runs_tool_call_observation_and_final_answer_with_exactly_the_
              "And a file that is not there.\n" + tool_call("bash", command="cat missing.txt"),
              tool_call("no_such_tool", x=1),
              "It says forty-two.\n" + tool_call("finish", answer="42")]
-    with create_sandbox("bwrap", SandboxSpec("job-agent", str(tmp_path), tools=("bash", "finish"))) as box:
+    box = create_sandbox("bwrap", SandboxSpec("job-agent", str(tmp_path), tools=("bash", "finish")))
+    box.start()
+    try:
         agent, llm, prompt_ids, messages = scripted_agent(tiny_tokenizer_dir, turns, executor=box)
         episode = agent.run(prompt_ids, messages)
+    finally:
+        box.stop()
 
     trajectory = episode.trajectory
-    assert (episode.answer, trajectory.finish_reason.value, trajectory.truncated) == ("42", "finished", False)
+    assert (episode.answer, trajectory.finish_reason, trajectory.truncated) == ("42", FinishReason.finished, False)
     assert [t.kind for t in trajectory.turns] == ["generation", "observation"] * 3 + ["generation"]
     observations = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
     assert "forty-two" in observations[0]
@@ -229,11 +237,11 @@ def test_the_agent_runs_tool_call_observation_and_final_answer_with_exactly_the_
 
 CALLING = [tool_call("no_such_tool", step=k) for k in range(6)]
 LIMITS = {  # limit -> (agent settings, scripted turns, generations made)
-    "max_turns": (dict(max_turns=2), CALLING, 2),
-    "context_length": (dict(), CALLING, 1),  # max_model_len: room for one turn and its observation, not two
-    "length": (dict(max_new_tokens=5), ["Let me think " * 40], 1),
-    "no_tool_call": (dict(), ["I will not call a tool."], 1),
-    "deadline": (dict(), CALLING, 1),  # the stop check says deadline once a turn was made
+    "max_turns": ({"max_turns": 2}, CALLING, 2),
+    "context_length": ({}, CALLING, 1),  # max_model_len: room for one turn and its observation, not two
+    "length": ({"max_new_tokens": 5}, ["Let me think " * 40], 1),
+    "no_tool_call": ({}, ["I will not call a tool."], 1),
+    "deadline": ({}, CALLING, 1),  # the stop check says deadline once a turn was made
 }
 
 
@@ -252,7 +260,7 @@ def test_a_limit_ends_the_agents_episode_with_its_finish_reason_and_exact_tokens
     llm.calls = made
 
     trajectory = agent.run(prompt_ids, messages).trajectory
-    assert trajectory.finish_reason.value == limit
+    assert trajectory.finish_reason == FinishReason(limit)
     assert trajectory.truncated == (FinishReason(limit) in TRUNCATING_REASONS)
     assert len(llm.calls) == generations
     if limit == "context_length":

@@ -3,16 +3,26 @@ create, begin_stages / end_stages, finish, cancel, transition, view."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import pytest
 import redis
 
 from rollout_service.errors import (
-    DeadlineExceeded, NotFound, RolloutError, SandboxError, ScoringTimeout, TaskError,
+    DeadlineExceeded,
+    NotFound,
+    RolloutError,
+    SandboxError,
+    ScoringTimeout,
+    TaskError,
 )
-from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobRequest, JobStatus
+from rollout_service.schemas import (
+    TERMINAL_STATUSES,
+    FinishReason,
+    JobRequest,
+    JobStatus,
+)
 from rollout_service.settings import Settings
 from rollout_service.store import JobStore, StageEnd
 from rollout_service.trajectory import TrajectoryBuilder
@@ -40,12 +50,12 @@ class Jobs:
         (verdict, values, _), = self.store.begin_stages([job_id], stage, previous, status, owner)
         return verdict, values
 
-    def end(self, job_id: str, stage: str, finish: Optional[tuple[JobStatus, dict]] = None,
-            owner: str = OWNER) -> Optional[JobStatus]:
+    def end(self, job_id: str, stage: str, finish: tuple[JobStatus, dict] | None = None,
+            owner: str = OWNER) -> JobStatus | None:
         status, = self.store.end_stages([StageEnd(job_id, owner, {f"{stage}_end": time.time()}, finish=finish)])
         return status
 
-    def walk_to(self, job_id: str, last: Optional[str]) -> None:
+    def walk_to(self, job_id: str, last: str | None) -> None:
         """Through every stage before ``last``, then into ``last`` (None: leave it queued)."""
         if last is None:
             return
@@ -78,8 +88,8 @@ def partial_trajectory() -> TrajectoryBuilder:
 
 def test_a_job_goes_queued_initializing_running_evaluating_completed_and_announces_its_end_once(jobs: Jobs):
     job_id = jobs.create()
-    seen = [jobs.status(job_id)]
-    for stage, (_, status) in STAGES.items():
+    seen: list[JobStatus | None] = [jobs.status(job_id)]
+    for stage in STAGES:
         verdict, (deadline_at, attempts, rollout_index) = jobs.begin(job_id, stage)
         assert (verdict, attempts, rollout_index) == ("ok", "1", "0") and float(deadline_at) > time.time()
         seen.append(jobs.status(job_id))
@@ -104,7 +114,7 @@ def test_a_job_that_skips_init_begins_run_from_queued_and_gets_an_init_start(job
 
 
 @pytest.mark.parametrize("stage", [None, *STAGES], ids=["queued", *STAGES])
-def test_a_cancel_at_each_stage_ends_the_job_cancelled_exactly_once(jobs: Jobs, stage: Optional[str]):
+def test_a_cancel_at_each_stage_ends_the_job_cancelled_exactly_once(jobs: Jobs, stage: str | None):
     job_id = jobs.create()
     jobs.walk_to(job_id, stage)
     ended_here = jobs.store.cancel(job_id)

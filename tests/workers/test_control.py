@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from rollout_service.client import RolloutClient
 from rollout_service.schemas import BackendView, JobRequest, JobStatus

@@ -4,11 +4,15 @@ the one run stored with the reward set."""
 from __future__ import annotations
 
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from rollout_service.client import RolloutClient
-from rollout_service.schemas import BackendView, JobStatus
-from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, server_log, tool_call
+from rollout_service.schemas import BackendView, FinishReason, JobStatus
+from tests.helpers import (
+    assert_trajectory_is_exactly_what_the_server_returned,
+    server_log,
+    tool_call,
+)
 
 RIGHT = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return a - b\n"
@@ -41,6 +45,6 @@ def test_eval_gives_a_right_answer_reward_1_and_a_wrong_one_reward_0(
     requests = server_log(backend.url)
     for view in views:
         trajectory = client.trajectory(view.job_id)
-        assert trajectory.reward == view.reward and trajectory.finish_reason.value == "finished"
+        assert trajectory.reward == view.reward and trajectory.finish_reason == FinishReason.finished
         mine = [r for r in requests if r["prompt_ids"] == trajectory.prompt_ids]
         assert_trajectory_is_exactly_what_the_server_returned(trajectory, mine)

@@ -4,8 +4,8 @@ typed reason before any LLM call."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

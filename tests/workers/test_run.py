@@ -4,12 +4,17 @@ mid-episode ends it cancelled with the turns it made."""
 from __future__ import annotations
 
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from rollout_service.client import RolloutClient
-from rollout_service.schemas import BackendView, JobStatus
+from rollout_service.schemas import BackendView, FinishReason, JobStatus
 from tests.helpers import (
-    assert_trajectory_is_exactly_what_the_server_returned, math_task, server_log, slow_script, tool_call, wait_for,
+    assert_trajectory_is_exactly_what_the_server_returned,
+    math_task,
+    server_log,
+    slow_script,
+    tool_call,
+    wait_for,
 )
 
 
@@ -48,6 +53,6 @@ def test_a_cancel_mid_episode_ends_the_run_cancelled_with_the_turns_it_made(
     assert view.finish_reason.value == "cancelled"
     trajectory = client.trajectory(job_id)
     generations = [t for t in trajectory.turns if t.kind == "generation"]
-    assert trajectory.truncated and trajectory.finish_reason.value == "cancelled" and 1 <= len(generations) < 20
+    assert trajectory.truncated and trajectory.finish_reason == FinishReason.cancelled and 1 <= len(generations) < 20
     answered = server_log(backend.url)[:len(generations)]  # a call the cancel cut short has no turn
     assert_trajectory_is_exactly_what_the_server_returned(trajectory, answered)
