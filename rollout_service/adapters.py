@@ -176,7 +176,7 @@ def to_slime(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Opti
     ``weight_versions`` (each generation's policy version); earlier segments are ``completed``,
     the last carries the episode's status."""
     scores = _rewards(trajectories, rewards)
-    samples = []
+    samples: list[dict[str, Any]] = []
     for i, t in enumerate(trajectories):
         parts = segments_of(t)
         for j, segment in enumerate(parts):

@@ -28,7 +28,7 @@ from rollout_service.agent import Episode, EpisodeInterrupted, Limits
 from rollout_service.errors import HarnessFailed, RolloutError
 from rollout_service.harness_presets import env_dir_inside, launch
 from rollout_service.harness_protocols import (
-    ChatError, Generated, all_routes, protocol_for, server_sent, template_message,
+    ROUTES, ChatError, Generated, all_routes, protocol_for, server_sent, template_message,
 )
 from rollout_service.sandbox.harness_launcher import RESULT_MARKER
 from rollout_service.schemas import FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
@@ -97,7 +97,7 @@ class ChatSession:
             self.failure = self.failure or exc
             log.exception("harness endpoint failed")
             error = ChatError(500, "internal_error", f"{type(exc).__name__}: {exc}")
-        doc = (protocol or protocol_for("/v1/chat/completions")).error(error)
+        doc = (protocol or ROUTES["/v1/chat/completions"]).error(error)
         return error.status, json.dumps(doc).encode(), {**JSON, **NO_RETRY}
 
     def generate(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],

@@ -185,7 +185,7 @@ class _PlainConnection:
         return buffer + chunk
 
     def _chunked(self, buffer: bytes) -> tuple[bytes, bytes]:
-        parts = []
+        parts: list[bytes] = []
         while True:
             while (line_end := buffer.find(b"\r\n")) < 0:
                 buffer = self._more(buffer)
@@ -231,6 +231,7 @@ class KeepAlivePool:
             try:
                 if connection.sock is None:
                     connection.connect()
+                assert connection.sock is not None
                 connection.sock.settimeout(timeout_s)
                 if abort is not None:
                     abort.sock = connection.sock

@@ -352,7 +352,8 @@ class VLLMClient(_HTTPInferenceClient):
         token_ids = _int_list(choice.get("token_ids"))
         if token_ids is None:
             raise self._malformed("choices[0].token_ids is not a list of integers", GENERATE_PATH)
-        content = choice.get("logprobs").get("content") if isinstance(choice.get("logprobs"), dict) else None
+        logprobs_block = choice.get("logprobs")
+        content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
         if not isinstance(content, list):
             raise self._malformed("choices[0].logprobs.content is missing; the server ignored "
                                   "`sampling_params.logprobs: 0`", GENERATE_PATH)
@@ -385,9 +386,10 @@ class VLLMClient(_HTTPInferenceClient):
         if logprobs is None:
             raise self._malformed("choices[0].logprobs.token_logprobs is not a list of numbers", COMPLETIONS_PATH)
         tokens, token_ids = logprobs_block.get("tokens"), choice.get("token_ids")
-        if _int_list(token_ids) is not None and isinstance(tokens, list) and \
-                tokens == [f"{TOKEN_ID_PREFIX}{i}" for i in token_ids]:  # both given and agreeing: the common case
-            return self._checked(list(token_ids), logprobs, choice.get("finish_reason"))
+        given_ids = _int_list(token_ids)
+        if given_ids is not None and isinstance(tokens, list) and \
+                tokens == [f"{TOKEN_ID_PREFIX}{i}" for i in given_ids]:  # both given and agreeing: the common case
+            return self._checked(list(given_ids), logprobs, choice.get("finish_reason"))
         ids_from_tokens = self._ids_from_token_strings(tokens)
         if token_ids is None:
             if ids_from_tokens is None:

@@ -22,7 +22,7 @@ import json
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rollout_service.errors import ConfigError
 
@@ -318,7 +318,7 @@ class ChatRenderer:
                     while len(self._frames) > FRAME_CACHE_SIZE:
                         self._frames.popitem(last=False)
             return text
-        return _fill(frame, contents)
+        return _fill(frame, cast("list[str]", contents))
 
     def _make_frame(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     add_generation_prompt: bool, rendered: str) -> Frame | None:
@@ -393,6 +393,8 @@ class ChatRenderer:
     def _segment(self, text: str) -> list[int]:
         ids = self._segments.get(text)
         if ids is None:
+            if self._rust is None:
+                raise TypeError("segments are cut only for a fast tokenizer (see _segmenting)")
             ids = self._rust.encode(text, add_special_tokens=False).ids
             if len(self._segments) >= SEGMENT_CACHE_SIZE:
                 self._segments.popitem(last=False)
