@@ -2,7 +2,8 @@
 workers.dispatch), so rollout_service never depends on the workers package."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import redis
 

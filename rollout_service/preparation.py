@@ -8,7 +8,13 @@ from typing import Any, Protocol
 from rollout_service.backends import BackendPool
 from rollout_service.errors import NoBackendAvailable, UnknownName, ValidationError
 from rollout_service.harness_presets import check_harness
-from rollout_service.schemas import AgentConfig, BackendView, JobRequest, Prepared, Sampling
+from rollout_service.schemas import (
+    AgentConfig,
+    BackendView,
+    JobRequest,
+    Prepared,
+    Sampling,
+)
 from rollout_service.settings import Settings
 from rollout_service.store import JobStore, workspace_dir
 from rollout_service.tasks import DomainHandler, get_handler

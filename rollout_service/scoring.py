@@ -1,7 +1,7 @@
 """What a scored job leaves, shared by the stages that score (eval, or run for a quick score)."""
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from rollout_service.schemas import JobStatus, ScoreResponse
 
@@ -10,7 +10,7 @@ class ScoringStage(Protocol):
     """What ``complete_scored`` writes to: the blobs stored and the terminal move made with the stage's end."""
 
     results: dict[str, Any]
-    finish_as: Optional[tuple[JobStatus, dict[str, Any]]]
+    finish_as: tuple[JobStatus, dict[str, Any]] | None
 
 
 def complete_scored(stage: ScoringStage, artifact: dict[str, Any], scored: ScoreResponse, **fields: Any) -> None:

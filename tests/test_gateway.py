@@ -4,8 +4,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-
-from typing import Iterable
+from collections.abc import Iterable
 
 import httpx
 import pytest
