@@ -63,6 +63,8 @@ class Sandbox(Protocol):
 
     def execute(self, tool: str, args: dict, timeout_s: float) -> dict: ...
 
+    def run(self, timeout_s: float) -> tuple[Optional[int], str]: ...
+
     def stop(self) -> None: ...
 
 
@@ -492,7 +494,7 @@ class ServerSandbox:
             self._register()
             output, finished = self._read_to_end(time.monotonic() + timeout_s)
             try:
-                exit_code = self.process.wait(timeout=10) if finished else None  # type: ignore[union-attr]
+                exit_code = self._started_process().wait(timeout=10) if finished else None
             except subprocess.TimeoutExpired:  # its output closed, yet it runs on: stop() kills it
                 exit_code = None
             with open(self._log_path or "", "rb") as log_file:
@@ -509,12 +511,17 @@ class ServerSandbox:
         self._make_socket_dir()
         self._prepare()
         argv, popen_options = self._launch()
-        with open(self._log_path, "ab") as log_file:
+        with open(self._log_path or "", "ab") as log_file:
             if green_process() and not popen_options:
-                self.process = Spawned(argv, log_file)  # type: ignore[assignment]
+                self.process = Spawned(argv, log_file)
             else:
                 self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                stderr=log_file, start_new_session=True, **popen_options)
+
+    def _started_process(self) -> subprocess.Popen | Spawned:
+        if self.process is None:
+            raise SandboxError(f"sandbox {self.sandbox_id} has no process; call start() or run() first")
+        return self.process
 
     def _make_socket_dir(self) -> None:
         self.owner_pid = os.getpid()
@@ -530,7 +537,8 @@ class ServerSandbox:
     def _read_to_end(self, deadline: float) -> tuple[bytes, bool]:
         """The process's stdout (capped), and whether it closed before ``deadline``."""
         assert self.process is not None and self.process.stdout is not None
-        fd, chunks, size = self.process.stdout.fileno(), [], 0
+        fd, size = self.process.stdout.fileno(), 0
+        chunks: list[bytes] = []
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not wait_ready(fd, remaining):
@@ -546,14 +554,15 @@ class ServerSandbox:
         if self._client is None:
             raise SandboxError(f"sandbox {self.sandbox_id} is not running; call start() first")
         settings = get_settings()
+        tool_timeout_s = float(timeout_s) if timeout_s and timeout_s > 0 else settings.tool_timeout_s
         request = {
             "tool": tool,
             "args": args,
-            "timeout_s": float(timeout_s) if timeout_s and timeout_s > 0 else settings.tool_timeout_s,
+            "timeout_s": tool_timeout_s,
             "output_cap": settings.tool_output_cap_bytes,
         }
         try:
-            return self._client.call(request, request["timeout_s"] + CALL_GRACE_S)
+            return self._client.call(request, tool_timeout_s + CALL_GRACE_S)
         except (OSError, ValueError) as exc:
             raise SandboxError(
                 f"the action server of {self.kind} sandbox {self.sandbox_id} stopped answering ({exc}); "

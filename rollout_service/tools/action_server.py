@@ -150,8 +150,9 @@ def serve_connection(conn: socket.socket, toolbox: Toolbox) -> None:
             toolbox.first_answer.set()
 
 
-SERVER_OPTIONS = {  # --option: (default, meaning); argparse alone would add ~8 ms to every sandbox boot
-    "socket": (None, "pathname of the Unix socket to listen on (required)"),
+# --option: (default, meaning); parsed without argparse, which slows every sandbox boot
+SERVER_OPTIONS: dict[str, tuple[str, str]] = {
+    "socket": ("", "pathname of the Unix socket to listen on (required)"),
     "workspace": ("", "working directory of the tools (default: the current directory)"),
     "tools": ("bash,ipython,editor,finish", "comma-separated tools to offer"),
     "memory-mb": ("0", "RLIMIT_AS per process (0: unchanged)"),

@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         if not message:
             return
+        answer: dict[str, int | str]
         try:
             if len(fds) != 3:
                 raise ValueError(f"a request needs 3 file descriptors, got {len(fds)}")
