@@ -4,9 +4,6 @@ stage module imports another)."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,6 +14,7 @@ from rollout_service.settings import Settings
 from rollout_service.store import JobStore
 from rollout_service.tasks import first_stage
 from tests.helpers import wait_for
+from workers import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_MODULES = ("init", "run", "eval", "control")
@@ -51,7 +49,7 @@ def test_no_stage_module_imports_another() -> None:
     {"domain": "swe", "instance_id": "x", "base_commit": "abc1234"},  # starts in init
 ], ids=["math-run", "swe-init"])
 def test_a_task_past_the_gateway_fails_in_its_first_stage_with_the_gateways_message(
-        service, scripted_backend, task) -> None:
+        service, scripted_backend, celery_app, task) -> None:
     scripted_backend({"episodes": []})  # without one, run's first call fails first (no_backend)
     answer = httpx.post(f"{service.url}/v1/jobs", json={"task": task}, timeout=30)
     assert answer.status_code == 400
@@ -64,8 +62,8 @@ def test_a_task_past_the_gateway_fails_in_its_first_stage_with_the_gateways_mess
     job_ids, _ = jobs.create_jobs(request)  # written as the gateway would, without its checks
     stage = first_stage(request, settings)
     assert stage == ("run" if task["domain"] == "math" else "init")
-    subprocess.run([sys.executable, "-c", f"from workers import dispatch; dispatch.enqueue_jobs({job_ids!r}, {stage!r})"],
-                   env={**os.environ, **service.env}, check=True, timeout=60, cwd=ROOT)
+    celery_app(service.redis_url)
+    dispatch.enqueue_jobs(job_ids, stage)
     wait_for(lambda: jobs.view(job_ids[0]).status.value not in ("queued", "initializing", "running"),
              timeout_s=60, what=f"the job to end in {stage}")
     view = jobs.view(job_ids[0])
