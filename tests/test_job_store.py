@@ -42,7 +42,7 @@ class Jobs:
 
     def create(self, **request: object) -> str:
         (job_id,), _ = self.store.create_jobs(
-            JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"}, **request))  # type: ignore[arg-type]
+            JobRequest.model_validate({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, **request}))
         return job_id
 
     def begin(self, job_id: str, stage: str, owner: str = OWNER) -> tuple[str, list[str]]:

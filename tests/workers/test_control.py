@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 
 from rollout_service.client import RolloutClient
-from rollout_service.schemas import BackendView, JobRequest, JobStatus
+from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus
 from rollout_service.settings import Settings
 from rollout_service.store import JobStore
 from tests.fixtures_service import Service
@@ -17,12 +17,14 @@ from tests.helpers import math_task, server_log, tool_call
 DEAD_LEASE_S = 1  # the dead workers' leases lapse at once
 
 
-def job_whose_run_worker_died(service: Service, problem: str, model: str, deliveries: int) -> str:
+def job_whose_run_worker_died(service: Service, problem: str, model: str, deliveries: int,
+                              job_s: float | None = None) -> str:
     """A math job (enqueued nowhere) whose run stage was delivered ``deliveries`` times to workers that
     died mid-stage, the last long enough ago for housekeeping to count it lost."""
     settings = dataclasses.replace(Settings.from_env(service.env), lease_ttl_s=DEAD_LEASE_S)
     store = JobStore(service.redis(), settings, on_finished=[])
-    (job_id,), _ = store.create_jobs(JobRequest(task=math_task(problem), sampling={"model": model}))  # type: ignore[arg-type]
+    (job_id,), _ = store.create_jobs(JobRequest.model_validate(
+        {"task": math_task(problem), "sampling": {"model": model}, "timeouts": {"job_s": job_s}}))
     for delivery in range(deliveries):
         if delivery:
             time.sleep(DEAD_LEASE_S + 0.1)
@@ -46,15 +48,20 @@ def test_housekeeping_sends_the_run_of_a_job_whose_worker_died_again_and_the_job
     assert f"job {job_id} lost its run worker" in service.log("worker-control")
 
 
-def test_a_stage_delivered_more_than_max_redeliveries_times_fails_the_job_with_redelivery_limit(
+def test_a_redelivered_stage_fails_a_job_past_max_redeliveries_and_times_out_one_past_its_deadline(
         service: Service, client: RolloutClient, model_name: str) -> None:
     limit = Settings.from_env(service.env).max_redeliveries
-    job_id = job_whose_run_worker_died(service, f"Crashing ({uuid.uuid4().hex[:6]})", model_name, deliveries=limit)
-    view, = client.wait([job_id], timeout_s=60)
+    crashing = job_whose_run_worker_died(service, f"Crashing ({uuid.uuid4().hex[:6]})", model_name, deliveries=limit)
+    late = job_whose_run_worker_died(service, f"Late ({uuid.uuid4().hex[:6]})", model_name, deliveries=1, job_s=0.5)
+    crashed, expired = client.wait([crashing, late], timeout_s=60)
 
-    assert view.status == JobStatus.failed and view.error is not None and view.attempts == limit + 1
-    assert view.error.code == "redelivery_limit"
-    assert f"delivered {limit + 1} times" in view.error.message and "ROLLOUT_MAX_REDELIVERIES" in view.error.message
+    assert crashed.status == JobStatus.failed and crashed.error is not None and crashed.attempts == limit + 1
+    assert crashed.error.code == "redelivery_limit"
+    assert f"delivered {limit + 1} times" in crashed.error.message
+    assert "ROLLOUT_MAX_REDELIVERIES" in crashed.error.message
+    assert expired.status == JobStatus.timed_out and expired.error is not None and expired.attempts == 2
+    assert (expired.error.code, expired.finish_reason) == ("deadline", FinishReason.deadline)
+    assert "deadline passed before run started" in expired.error.message
 
 
 def test_the_control_worker_accepts_a_batchs_group_once_its_members_end_and_completes_the_batch(
