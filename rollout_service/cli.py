@@ -192,9 +192,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     redis_url = settings.redis_url
     supervisor = Supervisor(state / "logs", {}, stop_grace_s=settings.shutdown_grace_s, report=sys.stdout)
     if not redis_url:
-        redis_server = RedisServer(state / "redis", port=args.redis_port).start()
+        redis_server = RedisServer(state / "redis", port=args.redis_port)
+        redis_command = redis_server.command()
+        redis_process = redis_server.launch(redis_command)
+        redis_server.wait_ready()
         redis_url = redis_server.url
-        supervisor.adopt("redis", redis_server.process, list(redis_server.process.args), STORE,
+        supervisor.adopt("redis", redis_process, redis_command, STORE,
                          launch=redis_server.launch, ready=redis_server.wait_ready)
     write_private(state / "redis.url", redis_url)
     supervisor.env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
@@ -436,7 +439,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["reference-server"]:
         from rollout_service.reference_server import main as reference_main
 
-        return reference_main(argv[1:]) or 0
+        reference_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     settings = get_settings()
     try:

@@ -88,7 +88,7 @@ def recover_orphans(store: JobStore) -> list[str]:
     job_ids = sorted(store.live_jobs())
     pipe = store.redis.pipeline(transaction=False)
     for job_id in job_ids:
-        pipe.hmget(store.key(job_id), *ORPHAN_FIELDS)
+        pipe.hmget(store.key(job_id), list(ORPHAN_FIELDS))
         pipe.exists(store.key(job_id, "lease"))
     replies = pipe.execute()
     crashed: dict[str, tuple[str, str]] = {}  # job -> (stage, its delivery count)

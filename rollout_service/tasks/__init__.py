@@ -40,10 +40,6 @@ class DomainHandler(Protocol):
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse: ...
 
-    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
-        """The score when it is cheap and certain (no parser that might hang, no sandbox), which a
-        run worker gives at the episode's end; None leaves it to the eval stage."""
-
 
 def require(task: dict[str, Any], name: str, kind: type | tuple[type, ...], domain: str) -> Any:
     value = task.get(name)
@@ -82,6 +78,9 @@ def first_stage(request: JobRequest, settings: Settings) -> str:
 
 
 def quick_score(handler: DomainHandler, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+    """The handler's optional ``quick_score(task, submission)``: the score when it is cheap and certain
+    (no parser that might hang, no sandbox), which a run worker gives at the episode's end; None
+    (or a handler without one) leaves it to the eval stage."""
     scorer = getattr(handler, "quick_score", None)
     return scorer(task, submission) if scorer is not None else None
 
