@@ -29,10 +29,9 @@ from typing import Any, Callable, Iterable, Optional
 import httpx
 import redis
 
-from rollout_service.autopipeline import AutoPipelineRedis, fire, submit, submit_commands
+from rollout_service.autopipeline import fire, submit, submit_commands
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec, BackendView, EngineResult
-from rollout_service.settings import get_settings
 from rollout_service.store import BEGIN_STAGE_ARGS, BEGIN_STAGE_FUNCTION, BeginCall, as_text, scripts_of
 
 FAILURES_TO_UNHEALTHY = 2
@@ -347,46 +346,6 @@ return redis.call('ZCARD', key('gates'))
 """
 
 
-class CallEnds:
-    """What a green run worker sends Redis as its episodes' LLM calls end (a call's accounting, its
-    checks, the policy version), held for ``call_end_batch_ms`` and sent together: the calls that end
-    within that window share one round trip. Each round trip wakes Redis up, which costs it more CPU
-    than the few commands it carries."""
-
-    def __init__(self) -> None:
-        self.queued: list[tuple[Callable[[], Callable[[], Any]], Any]] = []
-        self._pid = 0
-
-    def later(self, client: redis.Redis, send: Callable[[], Callable[[], Any]]) -> Callable[[], Any]:
-        """``send()`` (which queues commands and returns what waits for their replies) at the end
-        of the current window; what waits for the replies, at once. Elsewhere than in a green worker,
-        ``send()`` now."""
-        window_s = get_settings().call_end_batch_ms / 1000
-        if window_s <= 0 or not isinstance(client, AutoPipelineRedis):
-            return send()
-        import gevent
-        from gevent.event import AsyncResult
-
-        if self._pid != os.getpid():
-            self._pid, self.queued = os.getpid(), []
-        sent = AsyncResult()
-        if not self.queued:
-            gevent.spawn_later(window_s, self.send_now)
-        self.queued.append((send, sent))
-        return lambda: sent.get()()
-
-    def send_now(self) -> None:
-        queued, self.queued = self.queued, []
-        for send, sent in queued:
-            try:
-                sent.set(send())
-            except Exception as exc:  # queueing failed: its caller sees why
-                sent.set_exception(exc)
-
-
-CALL_ENDS = CallEnds()
-
-
 def backend_id_for(url: str) -> str:
     """Deterministic id of the backend at ``url`` (same url, same id, in every process)."""
     return "be-" + hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:12]
@@ -532,9 +491,7 @@ class BackendPool:
 
     def release(self, job_id: str) -> None:
         """The job is done with its backend (a green worker does not wait: its client's next
-        call, e.g. the end of the stage, is sent after this one, and so are the call ends it held)."""
-        if CALL_ENDS.queued:
-            CALL_ENDS.send_now()
+        call, e.g. the end of the stage, is sent after this one)."""
         fire(self.redis, self._release, args=[self.prefix, job_id])
 
     def move(self, job_id: str, dead_backend_id: str, model: str | None = None) -> BackendView:
@@ -650,15 +607,14 @@ class BackendPool:
     def end_counted_call(self, job_id: str) -> Callable[[], Optional[int]]:
         """``end_call`` for a call its start's answer says was counted, in two plain commands (its
         job's count stays at 0 until ``release``)."""
-        pending = CALL_ENDS.later(self.redis, lambda: submit_commands(
-            self.redis, [("HINCRBY", self._key("calls"), job_id, -1), ("GET", self._key("version"))]))
+        pending = submit_commands(self.redis, [("HINCRBY", self._key("calls"), job_id, -1),
+                                               ("GET", self._key("version"))])
         return self._version_of(pending, 1)
 
     def version_soon(self) -> Callable[[], Optional[int]]:
         """The policy version now, read with the next shared round trip (the end of a call its
         worker's gate carried, not counted here)."""
-        return self._version_of(CALL_ENDS.later(
-            self.redis, lambda: submit_commands(self.redis, [("GET", self._key("version"))])), 0)
+        return self._version_of(submit_commands(self.redis, [("GET", self._key("version"))]), 0)
 
     @staticmethod
     def _version_of(pending: Callable[[], list[Any]], at: int) -> Callable[[], Optional[int]]:
@@ -702,8 +658,8 @@ class BackendPool:
 
         def answer() -> tuple[str, str]:
             if not sent:
-                sent.append(CALL_ENDS.later(self.redis, lambda: submit_commands(
-                    self.redis, [("HGET", job_key, "cancel_requested"), ("GET", self._key("job", job_id))])))
+                sent.append(submit_commands(self.redis, [("HGET", job_key, "cancel_requested"),
+                                                         ("GET", self._key("job", job_id))]))
             replies = sent[0]()
             if errors := [reply for reply in replies if isinstance(reply, Exception)]:
                 raise errors[0]

@@ -64,7 +64,6 @@ class Settings:
     backend_outage_wait_s: float = 180.0  # an LLM call whose model has no healthy backend waits this long for one to come back
     cancel_check_s: float = 5.0  # a run worker aborts its LLM calls of a job at its cancel message; it also reads their jobs' cancel flags this often (a message lost with its connection); 0: never
     call_gate_lease_s: float = 1.5  # a green run worker starts later calls without a round trip each while its gate lease holds; 0: never
-    call_end_batch_ms: float = 2.0  # a green run worker sends the Redis commands of the LLM calls ending within this window in one round trip; 0: each at once
     pause_ttl_s: float = 600.0  # a weight-sync pause lifts by itself after this unless renewed
     engine_control_timeout_s: float = 30.0  # an engine's answer to pause/resume (plus the pause's `wait`)
     weight_update_timeout_s: float = 600.0  # an engine's answer to loading new weights from disk
