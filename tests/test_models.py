@@ -3,6 +3,7 @@ named models (tiny, smollm2) — real subprocesses over real HTTP."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from rollout_service.models import SMOLLM2_LT_TOKEN_ID, reference_model_name, re
 from rollout_service.redis_server import free_port
 from rollout_service.reference_server import ReferenceServerProcess
 from rollout_service.schemas import Sampling
-from rollout_service.tiny_model import build_tiny_model
+from rollout_service.tiny_model import build_once, build_tiny_model
 from rollout_service.tokens import ChatRenderer, load_tokenizer
 
 QUESTIONS = ["Hi", "What is 2 + 2?", "Write a poem about the sea, the sky and the tests.",
@@ -96,6 +97,23 @@ def test_the_scripted_engine_refuses_a_weight_update(scripted_server):
     url = scripted_server({"episodes": [{"match": "x", "turns": ["y"]}]})
     answer = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/tmp"})
     assert answer.status_code == 400 and "no weights" in answer.json()["message"]
+
+
+def test_a_build_runs_once_for_concurrent_callers_and_its_directory_appears_complete(tmp_path):
+    writes = []
+
+    def write(directory: Path) -> None:
+        writes.append(directory)
+        (directory / "weights.bin").write_bytes(b"w")
+        time.sleep(0.3)  # both callers arrive while the first build runs
+        (directory / "config.json").write_text("{}")
+
+    out = tmp_path / "models" / "m"
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: build_once(out, write, done_marker="config.json"), range(2)))
+    assert built == [out, out] and len(writes) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "weights.bin"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["m"]  # no build directory or lock left
 
 
 def test_reference_model_names_resolve_to_directories(tmp_path, tiny_model_dir):
