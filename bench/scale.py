@@ -475,6 +475,112 @@ def report(r: dict[str, Any], round_number: int) -> None:
               f"over commandstats; top: {top})")
 
 
+def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
+    """What each step of a job's life costs the state Redis, without the stack: the service's own
+    store and backend pool (a green client, as in a run worker) against a fresh Redis, ``rollouts``
+    jobs going through each step together (greenlets sharing round trips, as a run worker's
+    episodes do). Per step and job: µs of Redis CPU (INFO cpu), commands, round trips."""
+    import gevent
+    import redis
+
+    from rollout_service.metrics_recording import Increments
+    from rollout_service.schemas import JobRequest, JobStatus
+    from rollout_service.settings import get_settings
+    from rollout_service.store import JobStore, Packed, StageEnd, pack, redis_client
+
+    with tempfile.TemporaryDirectory(prefix="bench-redis-steps-") as tmp:
+        server = RedisServer(Path(tmp)).start()
+        os.environ["ROLLOUT_REDIS_URL"] = server.url
+        get_settings.cache_clear()
+        from rollout_service.backends import BackendPool
+
+        try:
+            admin = redis.Redis.from_url(server.url)
+            store = JobStore(redis_client())
+            pool = BackendPool(store.redis)
+            pool._register(args=[pool.prefix, "be-steps", "http://127.0.0.1:9", "vllm", "sim", "tok", 1])
+            request = JobRequest.model_validate({"task": {"domain": "math", "problem": "2 + 2?", "answer": "4"},
+                                                 "agent": {"tools": ["finish"]}, "timeouts": {"job_s": 600}})
+            trajectory = Packed(pack({"prompt_ids": list(range(100)), "response_ids": list(range(400)),
+                                      "logprobs": [-0.5] * 400, "loss_mask": [1] * 400}))
+            job_ids: list[str] = []
+            firsts: dict[str, Any] = {}
+
+            def sample() -> tuple[float, int, int]:
+                cpu, stats, counts = admin.info("cpu"), admin.info("commandstats"), admin.info("stats")
+                return ((cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1e6,
+                        sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
+                        int(counts["total_reads_processed"]))
+
+            def each(step: Any) -> None:
+                gevent.joinall([gevent.spawn(step, job_id) for job_id in job_ids], raise_error=True)
+
+            def submit() -> None:
+                for start in range(0, rollouts, 32):  # as the gateway: one transaction per 32 jobs
+                    for ids, _ in store.create_many([request] * min(32, rollouts - start)):
+                        job_ids.extend(ids)
+
+            def begin(job_id: str) -> None:
+                answers: list[Any] = []
+                store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running, f"steps:{job_id}",
+                                   ("request", "prepared"), (JobStatus.queued, "init_start"),
+                                   {job_id: pool.first_call_with_begin(job_id, answers)})
+                firsts[job_id] = answers[0]
+
+            def first_call_end(job_id: str) -> None:
+                firsts[job_id]()
+                pool.end_counted_call(job_id)()
+
+            def later_calls(job_id: str) -> None:
+                for _ in range(turns - 1):
+                    version = pool.version_soon()
+                    pool.check_call_soon(job_id, JobStore.key(job_id))()
+                    version()
+
+            def release() -> None:
+                each(pool.release)
+                store.redis.ping()  # after the released ones, which nothing waits for
+
+            finished = Increments()  # the ended jobs' metrics, written together as a run worker gathers them
+
+            def end(job_id: str) -> None:
+                now = time.time()
+                store.end_stages([StageEnd(job_id, f"steps:{job_id}", fields={"run_end": now, "finish_reason": "finished"},
+                                           blobs={"trajectory": trajectory, "result": {"artifact": {"answer": "4"}}},
+                                           finish=(JobStatus.completed, {"reward": 1.0, "eval_start": now, "eval_end": now}))],
+                                 finished)
+
+            def end_all() -> None:
+                each(end)
+                finished.write_now(store.redis, "job")
+                store.redis.ping()
+
+            def wait() -> None:
+                plain = JobStore(redis.Redis.from_url(server.url))
+                for start in range(0, rollouts, 100):
+                    chunk = job_ids[start:start + 100]
+                    plain.missing_and_ended(chunk)
+                    plain.views(chunk)
+
+            steps: dict[str, Any] = {}
+            for name, run_step in (("submit", submit), ("run stage begin with the first call", lambda: each(begin)),
+                                   ("first call end", lambda: each(first_call_end)),
+                                   (f"{turns - 1} later calls", lambda: each(later_calls)),
+                                   ("backend release", release), ("stage end and its metrics", end_all),
+                                   ("trainer's wait", wait)):
+                before = sample()
+                run_step()
+                after = sample()
+                steps[name] = {"usec_per_job": round((after[0] - before[0]) / rollouts, 1),
+                               "commands_per_job": round((after[1] - before[1]) / rollouts, 1),
+                               "round_trips": after[2] - before[2]}
+            total = sum(step["usec_per_job"] for step in steps.values())
+            return {"bench": "redis_steps", "rollouts": rollouts, "turns": turns, "steps": steps,
+                    "usec_per_job": round(total, 1), "usec_per_turn": round(total / turns, 1)}
+        finally:
+            server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=200)
@@ -504,8 +610,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
     parser.add_argument("--broker-redis", action="store_true",
                         help="Celery's queues on a Redis of their own (ROLLOUT_BROKER_URL)")
+    parser.add_argument("--redis-steps", action="store_true",
+                        help="no stack: each step of a job's life against a fresh Redis (the service's store and "
+                             "backend pool, --rollouts jobs together), µs of Redis CPU per step and job")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.redis_steps:
+        from rollout_service.green import green_process
+
+        if not green_process():  # a run worker's client: gevent's
+            return subprocess.call([sys.executable, "-m", "gevent.monkey", __file__, *sys.argv[1:]])
+        steps = redis_steps(args.rollouts, args.turns)
+        for name, step in steps["steps"].items():
+            print(f"  {name}: {step['usec_per_job']} µs of Redis CPU, {step['commands_per_job']} commands per job "
+                  f"({step['round_trips']} round trips)")
+        print(f"{args.rollouts} jobs x {args.turns} turns: {steps['usec_per_job']} µs per job, "
+              f"{steps['usec_per_turn']} µs per turn")
+        if args.json:
+            print(json.dumps(steps))
+        return 0
     if args.domain == "code" and not args.sandbox:
         parser.error("--domain code needs --sandbox (its agent writes code with bash)")
     # a killed bench must still stop the stack it started (the with-blocks' exits run on SystemExit)

@@ -86,3 +86,25 @@ def test_a_run_worker_runs_no_more_jobs_than_its_slots_however_many_a_message_ca
             stop.set()
         assert [v.status.value for v in views] == ["completed"] * 6
         assert max(in_flight) == 2, in_flight
+
+
+def test_bench_redis_steps_prices_each_step_of_a_job_on_a_fresh_redis() -> None:
+    """``bench/scale.py --redis-steps``: the service's store and pool, in a green process as in a run
+    worker, step by step; the commands each step sends are the ones docs/scaling.md lists."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "bench" / "scale.py"), "--redis-steps", "--rollouts", "40",
+                           "--turns", "3", "--json"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = json.loads(done.stdout.strip().splitlines()[-1])["steps"]
+    assert list(steps) == ["submit", "run stage begin with the first call", "first call end", "2 later calls",
+                           "backend release", "stage end and its metrics", "trainer's wait"]
+    assert all(step["usec_per_job"] > 0 for step in steps.values()), steps
+    commands = {name: step["commands_per_job"] for name, step in steps.items()}
+    assert commands["run stage begin with the first call"] == 17  # a script (15 commands inside) and an MGET
+    assert commands["first call end"] == 2 and commands["2 later calls"] == 6  # after each call: one round trip
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
