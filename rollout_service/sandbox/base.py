@@ -58,6 +58,7 @@ class SandboxSpec:
 
 class Sandbox(Protocol):
     sandbox_id: str
+    boot_s: Optional[float]
 
     def start(self) -> None: ...
 
@@ -115,7 +116,7 @@ class BackgroundStart:
     """A sandbox starting in a thread of its own while the episode goes on (its first step is an
     LLM call, which does not need it): a tool call waits for the start, and raises its error."""
 
-    def __init__(self, sandbox: "ServerSandbox") -> None:
+    def __init__(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox
         self.waited_s = 0.0
         self._error: Optional[BaseException] = None
@@ -130,7 +131,7 @@ class BackgroundStart:
         finally:
             self._started.set()
 
-    def ready(self) -> "ServerSandbox":
+    def ready(self) -> Sandbox:
         """The sandbox once started (waiting for it, and counting the wait)."""
         if not self._started.is_set():
             began = time.monotonic()
