@@ -3,10 +3,11 @@ virtualenv of its own (it pins its own torch and transformers), installed by ``m
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import httpx
 
@@ -66,26 +67,33 @@ def _tail(log_path: Optional[Path]) -> str:
     return "its log ends:\n" + Path(log_path).read_text(errors="replace")[-3000:]
 
 
-class VLLMServer:
-    """A vLLM CPU server in a child process of its own session (tests, benchmarks)."""
+AnyServer = TypeVar("AnyServer", bound="ServerProcess")
 
-    def __init__(self, venv: Path, model_dir: Path, served_name: str, port: int, log_path: Path,
-                 kv_cache_gib: float = 1.0, extra_args: tuple[str, ...] = ()) -> None:
-        self.command = vllm_command(venv, model_dir, served_name, port, extra_args=extra_args)
-        self.env = {**os.environ, **vllm_env(kv_cache_gib)}
-        self.url = f"http://127.0.0.1:{port}"
-        self.model = served_name
-        self.model_dir = model_dir
+
+class ServerProcess:
+    """An inference server in a child process: ``start`` waits until ``/health`` answers (a failed or
+    interrupted start stops it again, no orphan), ``stop`` sends SIGTERM, then SIGKILL. With
+    ``own_session`` the child leads a process group of its own, signalled as a whole."""
+
+    poll_s = 1.0
+    stop_timeout_s = 30.0
+    own_session = True
+
+    def __init__(self, command: list[str], url: str, log_path: Optional[Path],
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.command = command
+        self.url = url
         self.log_path = log_path
+        self.env = env
         self.process: Optional[subprocess.Popen] = None
 
-    def start(self, timeout_s: float = VLLM_START_TIMEOUT_S) -> "VLLMServer":
-        with open(self.log_path, "ab") as log:
+    def start(self: AnyServer, timeout_s: float = VLLM_START_TIMEOUT_S) -> AnyServer:
+        with open(self.log_path or os.devnull, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
+                                            stdin=subprocess.DEVNULL, start_new_session=self.own_session)
         try:
-            wait_engine_ready(self.url, self.process, self.log_path, timeout_s)
-        except BaseException:  # a failed start, or the caller interrupted (a test's timeout): no orphan engine
+            wait_engine_ready(self.url, self.process, self.log_path, timeout_s, self.poll_s)
+        except BaseException:
             self.stop()
             raise
         return self
@@ -93,11 +101,27 @@ class VLLMServer:
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        import signal
-
-        os.killpg(self.process.pid, signal.SIGTERM)
+        self._signal(signal.SIGTERM)
         try:
-            self.process.wait(30)
+            self.process.wait(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            self._signal(signal.SIGKILL)
             self.process.wait()
+
+    def _signal(self, number: int) -> None:
+        assert self.process is not None
+        if self.own_session:
+            os.killpg(self.process.pid, number)
+        else:
+            self.process.send_signal(number)
+
+
+class VLLMServer(ServerProcess):
+    """A vLLM CPU server in a child process of its own session (tests, benchmarks)."""
+
+    def __init__(self, venv: Path, model_dir: Path, served_name: str, port: int, log_path: Path,
+                 kv_cache_gib: float = 1.0, extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(vllm_command(venv, model_dir, served_name, port, extra_args=extra_args),
+                         f"http://127.0.0.1:{port}", log_path, {**os.environ, **vllm_env(kv_cache_gib)})
+        self.model = served_name
+        self.model_dir = model_dir

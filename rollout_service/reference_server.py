@@ -21,7 +21,6 @@ import collections
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from rollout_service.engines import wait_engine_ready
+from rollout_service.engines import ServerProcess
 from rollout_service.reference_engines import (
     ClientGone,
     ClientWatch,
@@ -461,43 +460,23 @@ def main(argv: list[str] | None = None) -> None:
         server.server_close()
 
 
-class ReferenceServerProcess:
-    """A reference server in a child process (``python -m rollout_service.reference_server``)."""
+class ReferenceServerProcess(ServerProcess):
+    """A reference server in a child process (``python -m rollout_service.reference_server``); a
+    start that fails is a ConfigError quoting its log's tail."""
+
+    poll_s = 0.05
+    stop_timeout_s = 5.0
+    own_session = False
 
     def __init__(self, args: list[str], port: int, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
         self.args = [*args, "--host", host, "--port", str(port)]
-        self.url = f"http://{host}:{port}"
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> "ReferenceServerProcess":
-        """Start it and wait for ``/health``; a server that exits or never answers is a ConfigError
-        quoting its log's tail, and is stopped."""
         package_root = str(Path(__file__).resolve().parent.parent)
         python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        with open(self.log_path or os.devnull, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "rollout_service.reference_server", *self.args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": python_path},
-            )
-        try:
-            wait_engine_ready(self.url, self.process, self.log_path, timeout_s, poll_s=0.05)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        super().__init__([sys.executable, "-m", "rollout_service.reference_server", *self.args],
+                         f"http://{host}:{port}", log_path, {**os.environ, "PYTHONPATH": python_path})
 
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
+    def start(self, timeout_s: float = 60.0) -> "ReferenceServerProcess":
+        return super().start(timeout_s)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import pytest
 
 from rollout_service.errors import (BackendError, BackendRejected, BackendTimeout, BackendUnreachable, ConfigError,
                                     ContextWindowExceeded, UnknownName)
+from rollout_service.engines import ServerProcess
 from rollout_service.http_pool import Abort, Aborted
 from rollout_service import inference
 from rollout_service.inference import (COMPLETIONS_PATH, GENERATE_PATH, ReferenceClient, SGLangClient, VLLMClient,
@@ -24,6 +26,7 @@ from rollout_service.reference_server import ReferenceServerProcess
 from rollout_service.schemas import Sampling
 from rollout_service.tokens import ChatRenderer, load_tokenizer
 from tests.fixtures_tokens import logged_requests
+from tests.helpers import wait_for
 
 KINDS = ["vllm", "sglang"]
 CALL = '<tool_call>\n{"name": "ipython", "arguments": {"code": "print(2 + 2)"}}\n</tool_call>'
@@ -207,6 +210,39 @@ def test_a_server_not_healthy_in_time_is_a_config_error_and_is_stopped(tmp_path,
     with pytest.raises(ConfigError, match=f"the engine at {server.url} did not answer /health within 0 s"):
         server.start(timeout_s=0.01)
     assert server.process is not None and server.process.poll() is not None
+
+HEALTHY_PARENT = """
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(child.pid, flush=True)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_server_process_of_its_own_session_is_stopped_with_its_children(tmp_path):
+    port = free_port()
+    server = ServerProcess([sys.executable, "-c", HEALTHY_PARENT, str(port)], f"http://127.0.0.1:{port}",
+                           tmp_path / "server.log")
+    server.poll_s = 0.05
+    assert server.start(timeout_s=30) is server and httpx.get(f"{server.url}/health").status_code == 200
+    child = int((tmp_path / "server.log").read_text().split()[0])
+    assert running(child)
+    server.stop()
+    assert server.process is not None and server.process.poll() is not None
+    wait_for(lambda: not running(child), timeout_s=10, what="the server's child to be stopped with it")
 
 def test_the_server_log_can_be_cleared(scripted_server, renderer):
     url = scripted_server(SCRIPT)
