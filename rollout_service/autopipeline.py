@@ -132,7 +132,7 @@ class AutoPipelineRedis(redis.Redis):
                 else:
                     for waiter, reply in zip(batch, replies):
                         if isinstance(reply, NoScriptError) and waiter.script is not None:
-                            reply = self._run_unknown_script(waiter)  # the server lost it (restart, flush)
+                            reply = self._run_unknown_script(waiter.script, waiter)  # the server lost it (restart, flush)
                         if isinstance(reply, Exception):
                             waiter.error = reply
                         else:
@@ -145,10 +145,10 @@ class AutoPipelineRedis(redis.Redis):
         finally:
             self._flushing = False
 
-    def _run_unknown_script(self, waiter: _Waiter) -> Any:
+    def _run_unknown_script(self, script: Script, waiter: _Waiter) -> Any:
         """Load the script again and run it directly (in the flusher, which must not wait on itself)."""
         try:
-            redis.Redis.execute_command(self, "SCRIPT", "LOAD", waiter.script.script)  # type: ignore[union-attr]
+            redis.Redis.execute_command(self, "SCRIPT", "LOAD", script.script)
             return redis.Redis.execute_command(self, *waiter.args, **waiter.options)
         except Exception as exc:
             return exc

@@ -16,7 +16,7 @@ import httpx
 
 from rollout_service.errors import ConfigError, RolloutError
 from rollout_service.models import reference_model_name, resolve_reference_model
-from rollout_service.schemas import BackendView
+from rollout_service.schemas import BackendView, JobView
 from rollout_service.settings import Settings, get_settings
 from rollout_service.engines import ENGINES, VLLM_START_TIMEOUT_S
 from rollout_service.supervisor import INTAKE, SERVICES, STORE, Supervisor
@@ -296,9 +296,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
             job_ids += client.submit(body.pop("task"), n=args.n, **body).job_ids
         bar = tqdm(total=len(job_ids), unit="job", file=sys.stderr)
 
-        def done(view: object) -> None:
+        def done(view: JobView) -> None:
             bar.update(1)
-            out.write(json.dumps(view.model_dump(mode="json")) + "\n")  # type: ignore[attr-defined]
+            out.write(json.dumps(view.model_dump(mode="json")) + "\n")
 
         views = client.wait(job_ids, timeout_s=args.timeout_s, on_done=done)
         bar.close()

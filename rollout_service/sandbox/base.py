@@ -408,11 +408,28 @@ class Spawned:
 
     def wait(self, timeout: Optional[float] = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             time.sleep(0.005)
-        return self.returncode  # type: ignore[return-value]
+        return code
+
+
+class SandboxProcess(Protocol):
+    """A sandbox's top process: a ``subprocess.Popen``, a ``Spawned`` or a fork server's ``Forked``."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> Any: ...
+
+    @property
+    def returncode(self) -> Optional[int]: ...
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
 
 
 class ServerSandbox:
@@ -429,7 +446,7 @@ class ServerSandbox:
         self.sandbox_id = uuid.uuid4().hex[:16]
         self.socket_dir: str | None = None
         self.boot_s: float | None = None
-        self.process: subprocess.Popen | Spawned | None = None
+        self.process: SandboxProcess | None = None
         self.process_is_namespace_init = False  # killing it kills every process of the sandbox
         self._client: ActionClient | None = None
         self._stopped = False
@@ -519,7 +536,7 @@ class ServerSandbox:
                 self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                stderr=log_file, start_new_session=True, **popen_options)
 
-    def _started_process(self) -> subprocess.Popen | Spawned:
+    def _started_process(self) -> SandboxProcess:
         if self.process is None:
             raise SandboxError(f"sandbox {self.sandbox_id} has no process; call start() or run() first")
         return self.process

@@ -389,20 +389,22 @@ class Forked:
         if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
             raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
         try:
-            if self.returncode is None:
+            code = self.returncode
+            if code is None:
                 if not wait_ready(self._status, timeout):
                     raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-                self._collect()
+                code = self._collect()
         finally:
             self._reading.release()
-        return self.returncode  # type: ignore[return-value]
+        return code
 
-    def _collect(self) -> None:
+    def _collect(self) -> int:
         data = b""
         while chunk := os.read(self._status, 64):
             data += chunk
         os.close(self._status)
         self.returncode = int(data) if data.strip() else -9  # no code: its init was killed
+        return self.returncode
 
 
 def use_fork_server() -> bool:
@@ -465,7 +467,7 @@ class BwrapSandbox(ServerSandbox):
         finally:
             os.close(channel)
             os.close(status_write)
-        self.process = Forked(pid, status_read, stdout)  # type: ignore[assignment]
+        self.process = Forked(pid, status_read, stdout)
         self.process_is_namespace_init = True
         if not spec.script:
             self._client = ActionClient.over(ours_socket)
