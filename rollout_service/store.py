@@ -123,11 +123,14 @@ return redis.call('HGET', KEYS[1], 'status')
 """
 
 # A stage's end with a move first: {what _TRANSITION answers, the status after}. KEYS: job hash, live
-# set, finished channel, lease. ARGV: lease owner, n, n args of field, value pairs, the move's ARGV.
+# set, finished channel, lease. ARGV: lease owner, n, n args of field, value pairs, the move's ARGV
+# (whose field, value pairs end with the same n: a move sets them with its own).
 _MOVE_AND_END_STAGE = _MOVE + """
 local n = tonumber(ARGV[2])
 local moved = move(n + 3)
 if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if moved == -1 then return {moved, false} end
+if moved ~= 0 then return {moved, ARGV[n + 3]} end
 if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, n + 2)) end
 return {moved, redis.call('HGET', KEYS[1], 'status')}
 """
@@ -243,8 +246,8 @@ def _float(value: Optional[str]) -> Optional[float]:
 
 @dataclass
 class StageEnd:
-    """What ends a job's stage, in this order: blobs stored, a terminal move (status, fields), the
-    lease released and fields set (``<stage>_end`` last)."""
+    """What ends a job's stage, in this order: blobs stored, a terminal move (status, its fields and
+    ``fields``) or else ``fields`` set, the lease released."""
     job_id: str
     owner: str
     fields: dict[str, Any] = dataclass_field(default_factory=dict)
@@ -630,7 +633,7 @@ class JobStore:
                 self._end_stage(keys=[self.key(end.job_id), lease], args=[end.owner, *fields], client=pipe)
             else:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
-                self._move_and_end_stage(keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args],
+                self._move_and_end_stage(keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args, *fields],
                                          client=pipe)
             at += len(end.blobs)
             positions.append(at)  # the end script's reply follows the job's SETs
