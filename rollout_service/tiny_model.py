@@ -238,6 +238,7 @@ def _write_model(directory: Path, seed: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(directory)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    assert isinstance(eos_id, int) and isinstance(pad_id, int)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -255,7 +256,7 @@ def _write_model(directory: Path, seed: int) -> None:
         pad_token_id=pad_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model = Qwen2ForCausalLM(config).eval()  # float32, torch's default dtype
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(directory)
 
