@@ -110,12 +110,12 @@ def parse_pytest_log(log: str, wanted: list[str]) -> dict[str, str]:
     return statuses
 
 
-def git(*args: str, cwd: Optional[Path] = None) -> str:
+def git(*args: str, cwd: Optional[Path] = None, check: bool = True) -> str:
     """Run git on the host, on repositories the service made or the operator gave (never the agent's)."""
     env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1"}
     result = subprocess.run(["git", "-c", "core.hooksPath=/dev/null", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise TaskError(f"git {' '.join(args[:3])} failed: {result.stderr.strip()[-500:]}")
     return result.stdout
 
@@ -151,7 +151,7 @@ def materialize(repo_path: str, commit: str, target: Path, shallow: bool) -> str
         raise TaskError(f"task.repo_path {repo_path} is not a git repository on this worker; give a path "
                         "that every init and eval worker can read")
     sha = git("-c", f"safe.directory={source}", "-C", str(source), "rev-parse", "--verify", "--quiet",
-              f"{commit}^{{commit}}").strip()
+              f"{commit}^{{commit}}", check=False).strip()
     if not sha:
         raise TaskError(f"task.base_commit {commit} is not a commit of {repo_path}")
     target.mkdir(parents=True, exist_ok=True)

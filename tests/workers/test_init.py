@@ -59,8 +59,6 @@ def test_init_fails_a_job_whose_base_commit_is_not_in_its_repository_with_a_task
     assert server_log(backend_url) == []  # the episode never started
 
 
-@pytest.mark.xfail(strict=True, reason="tasks/swe.py materialize: git() raises on `rev-parse --verify --quiet`'s "
-                                       "exit 1 (empty stderr) before its 'is not a commit' message is reached")
 def test_init_names_the_missing_base_commit_in_its_error(
         client: RolloutClient, scripted_model: Callable[[dict], BackendView], model_name: str,
         swe_task: dict) -> None:
