@@ -46,7 +46,7 @@ def run_jobs(job_ids: list[str]) -> None:
             run_stage_jobs([job_id], "run", lambda ctx: run_episode(ctx, pool, first_call),
                            calls={job_id: pool.first_call_with_begin(job_id, first_call)})
         finally:
-            if first_call:  # the episode did not take it (the job was done, cancelled or leased)
+            if first_call:  # the stage began but ended before its episode took it (e.g. past the deadline)
                 pool.drop_first_call(job_id, first_call.pop())
             slots.give_back(beyond_first)
 
