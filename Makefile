@@ -60,7 +60,7 @@ $(HARNESS_STAMP): $(STAMP)
 		$(addprefix --package ,$(HARNESS_PACKAGES))
 	@touch $@
 
-# a single-node Slurm for tests/test_slurm.py (its fixture starts munged, slurmctld and slurmd)
+# a single-node Slurm for tests/e2e/test_slurm.py (its fixture starts munged, slurmctld and slurmd)
 $(SLURM_STAMP): $(STAMP)
 	@missing=""; for p in $(SLURM_APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -41,8 +41,8 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service.backends import BackendPool  # noqa: E402
-from rollout_service.redis_server import RedisServer  # noqa: E402
+from rollout_service.state.backends import BackendPool  # noqa: E402
+from rollout_service.devtools.redis_server import RedisServer  # noqa: E402
 from rollout_service.schemas import BackendSpec  # noqa: E402
 
 MODEL = "sim-model"

@@ -44,11 +44,11 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service.client import RolloutClient  # noqa: E402
-from rollout_service.local_service import local_service  # noqa: E402
-from rollout_service.redis_server import free_port  # noqa: E402
-from rollout_service.reference_server import ReferenceServerProcess  # noqa: E402
-from rollout_service.tiny_model import build_tiny_tokenizer  # noqa: E402
+from rollout_service.sdk.client import RolloutClient  # noqa: E402
+from rollout_service.devtools.local_service import local_service  # noqa: E402
+from rollout_service.devtools.redis_server import free_port  # noqa: E402
+from rollout_service.devtools.reference_server import ReferenceServerProcess  # noqa: E402
+from rollout_service.devtools.tiny_model import build_tiny_tokenizer  # noqa: E402
 
 KINDS = ("solved", "never", "mixed")
 RIGHT, WRONG = "\\boxed{4}", "\\boxed{7}"

@@ -1,8 +1,8 @@
 """Real engine: one multi-turn workload straight at vLLM and through the service.
 
-Starts two vLLM CPU servers (``rollout_service.engines.VLLMServer``, SmolLM2-135M-Instruct, the
+Starts two vLLM CPU servers (``rollout_service.devtools.engines.VLLMServer``, SmolLM2-135M-Instruct, the
 ``make vllm`` venv, ``--block-size 32``) once and reuses them for every phase, and a whole service
-on this machine (``rollout_service.local_service``). The workload: R rollouts of up to T turns,
+on this machine (``rollout_service.devtools.local_service``). The workload: R rollouts of up to T turns,
 each a math problem whose system prompt starts with the problem (so no two rollouts share a cached
 prefix and every prefix-cache hit is a rollout reusing its own history), tools ``["finish"]``,
 greedy sampling with a fixed number of new tokens per call (``ignore_eos``, ``min_tokens``), and a
@@ -52,16 +52,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from rollout_service.client import RolloutClient  # noqa: E402
-from rollout_service.engines import VLLMServer  # noqa: E402
-from rollout_service import inference  # noqa: E402
-from rollout_service.inference import VLLMClient  # noqa: E402
-from rollout_service.local_service import local_service  # noqa: E402
-from rollout_service.models import SMOLLM2_LT_TOKEN_ID, build_smollm2  # noqa: E402
-from rollout_service.redis_server import free_port  # noqa: E402
+from rollout_service.sdk.client import RolloutClient  # noqa: E402
+from rollout_service.devtools.engines import VLLMServer  # noqa: E402
+from rollout_service.runtime import inference  # noqa: E402
+from rollout_service.runtime.inference import VLLMClient  # noqa: E402
+from rollout_service.devtools.local_service import local_service  # noqa: E402
+from rollout_service.devtools.models import SMOLLM2_LT_TOKEN_ID, build_smollm2  # noqa: E402
+from rollout_service.devtools.redis_server import free_port  # noqa: E402
 from rollout_service.schemas import Sampling  # noqa: E402
-from rollout_service.tokens import ChatRenderer, renderer_for  # noqa: E402
-from rollout_service.toolcalls import ToolCallParser, get_parser  # noqa: E402
+from rollout_service.runtime.tokens import ChatRenderer, renderer_for  # noqa: E402
+from rollout_service.runtime.toolcalls import ToolCallParser, get_parser  # noqa: E402
 from rollout_service.tools.schemas import tool_schemas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

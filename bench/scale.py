@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from rollout_service.client import RolloutClient  # noqa: E402
+from rollout_service.sdk.client import RolloutClient  # noqa: E402
 from rollout_service.errors import DeadlineExceeded  # noqa: E402
-from rollout_service.redis_server import RedisServer, free_port  # noqa: E402
-from rollout_service.tiny_model import build_tiny_tokenizer  # noqa: E402
+from rollout_service.devtools.redis_server import RedisServer, free_port  # noqa: E402
+from rollout_service.devtools.tiny_model import build_tiny_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,7 +234,7 @@ def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[Opti
     """Each job's record fields ``names`` straight from the service's Redis (HMGET per job, one pipeline)."""
     import redis
 
-    from rollout_service.store import JobStore
+    from rollout_service.state.store import JobStore
 
     client = redis.Redis.from_url((stack.state / "redis.url").read_text().strip())
     pipe = client.pipeline(transaction=False)
@@ -483,16 +483,16 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
     import gevent
     import redis
 
-    from rollout_service.metrics_recording import Increments
+    from rollout_service.state.metrics_recording import Increments
     from rollout_service.schemas import JobRequest, JobStatus
     from rollout_service.settings import get_settings
-    from rollout_service.store import JobStore, Packed, StageEnd, pack, redis_client
+    from rollout_service.state.store import JobStore, Packed, StageEnd, pack, redis_client
 
     with tempfile.TemporaryDirectory(prefix="bench-redis-steps-") as tmp:
         server = RedisServer(Path(tmp)).start()
         os.environ["ROLLOUT_REDIS_URL"] = server.url
         get_settings.cache_clear()
-        from rollout_service.backends import BackendPool
+        from rollout_service.state.backends import BackendPool
 
         try:
             admin = redis.Redis.from_url(server.url)
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.redis_steps:
-        from rollout_service.green import green_process
+        from rollout_service.concurrency.green import green_process
 
         if not green_process():  # a run worker's client: gevent's
             return subprocess.call([sys.executable, "-m", "gevent.monkey", __file__, *sys.argv[1:]])

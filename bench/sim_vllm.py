@@ -34,7 +34,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service.tokens import load_tokenizer  # noqa: E402
+from rollout_service.runtime.tokens import load_tokenizer  # noqa: E402
 
 
 def tool_call_text(name: str, arguments: dict) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from rollout_service.client import RolloutClient
+from rollout_service.sdk.client import RolloutClient
 from rollout_service.schemas import BatchGroup, Trajectory
 
 SYSTEM_PROMPT = "Reply with just the number."
@@ -116,9 +116,9 @@ def evaluate(client: RolloutClient, tasks: list[dict[str, Any]], fields: dict[st
 @contextlib.contextmanager
 def local_smollm2_service(state: Path, model_dir: Path, run_concurrency: int) -> Iterator[str]:
     """A whole local service (redis, gateway, workers) and a SmolLM2 reference backend."""
-    from rollout_service.local_service import local_service
-    from rollout_service.redis_server import free_port
-    from rollout_service.reference_server import ReferenceServerProcess
+    from rollout_service.devtools.local_service import local_service
+    from rollout_service.devtools.redis_server import free_port
+    from rollout_service.devtools.reference_server import ReferenceServerProcess
 
     server = ReferenceServerProcess(["--model", str(model_dir)], port=free_port(),
                                     log_path=state / "reference.log").start(timeout_s=300)
@@ -156,7 +156,7 @@ def load_policy(args: argparse.Namespace) -> tuple[Path, Any]:
     service's SmolLM2) in float32, in training mode."""
     from transformers import AutoModelForCausalLM
 
-    from rollout_service.models import resolve_reference_model
+    from rollout_service.devtools.models import resolve_reference_model
     from rollout_service.settings import get_settings
 
     torch.set_num_threads(args.torch_threads)

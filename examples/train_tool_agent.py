@@ -32,7 +32,7 @@ that called a tool) runs before the warm-up, after it, and every ``--eval-every`
 
 The plain-PyTorch loop rather than TRL's GRPOTrainer: TRL's ``rollout_func`` must return one
 completion for every prompt it sampled, so the service's DAPO filter (drop uniform groups, refill
-from the task list) cannot feed it; ``rollout_service.integrations.trl`` is the TRL path without it.
+from the task list) cannot feed it; ``rollout_service.sdk.trl`` is the TRL path without it.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_grpo import grpo_step, load_policy, push_weights  # noqa: E402
 
-from rollout_service.client import RolloutClient  # noqa: E402
+from rollout_service.sdk.client import RolloutClient  # noqa: E402
 from rollout_service.schemas import Trajectory  # noqa: E402
 
 SYSTEM_PROMPT = "You are a helpful assistant with a Python tool."
@@ -84,7 +84,7 @@ def warmup_episode(renderer: Any, a: int, b: int) -> tuple[list[int], list[int]]
     """A correct episode as the service would record it: ids (prompt, ipython call, tool output,
     finish call) and the loss mask (1 on the two calls' tokens). Rendered with the service's own
     chat renderer, tool schemas and Hermes call format, so the ids are the ones the agent loop builds."""
-    from rollout_service.toolcalls import HermesParser, ToolCall
+    from rollout_service.runtime.toolcalls import HermesParser, ToolCall
     from rollout_service.tools.schemas import tool_schemas
 
     calls = HermesParser()
@@ -161,9 +161,9 @@ def evaluate(client: RolloutClient, tasks: list[dict[str, Any]], fields: dict[st
 def local_vllm_service(state: Path, model_dir: Path, model_name: str, kv_cache_gib: float,
                        run_concurrency: int) -> Iterator[str]:
     """A whole local service (redis, gateway, workers) and a vLLM engine serving ``model_dir``."""
-    from rollout_service.engines import VLLMServer
-    from rollout_service.local_service import local_service
-    from rollout_service.redis_server import free_port
+    from rollout_service.devtools.engines import VLLMServer
+    from rollout_service.devtools.local_service import local_service
+    from rollout_service.devtools.redis_server import free_port
     from rollout_service.settings import get_settings
 
     venv = Path(get_settings().vllm_venv)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("tool-agent-run"))
     args = parser.parse_args(argv)
 
-    from rollout_service.tokens import renderer_for
+    from rollout_service.runtime.tokens import renderer_for
 
     began = time.monotonic()
     model_dir, model = load_policy(args)

@@ -7,86 +7,23 @@ import os
 import signal
 import sys
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import httpx
 
 from rollout_service.errors import ConfigError, RolloutError
-from rollout_service.models import reference_model_name, resolve_reference_model
+from rollout_service.devtools.models import reference_model_name, resolve_reference_model
 from rollout_service.schemas import BackendView, JobView
 from rollout_service.settings import Settings, get_settings
-from rollout_service.engines import ENGINES, VLLM_START_TIMEOUT_S
-from rollout_service.supervisor import INTAKE, SERVICES, STORE, Supervisor
+from rollout_service.devtools.engines import ENGINES, VLLM_START_TIMEOUT_S
+from rollout_service.launch.commands import (
+    FLOWER_NICENESS, FLOWER_USER, POOL_KINDS, WATCH_INTERVAL_S, WORKER_POOLS, WorkerOptions, flower_command, gateway_command,
+    local_address, wait_http, worker_command,
+)
+from rollout_service.launch.supervisor import INTAKE, SERVICES, STORE, Supervisor
 
-WORKER_POOLS = {  # queue -> (celery pool, settings field with its concurrency)
-    "init": ("gevent", "init_concurrency"),
-    "run": ("gevent", "run_concurrency"),
-    "eval": ("prefork", "eval_concurrency"),
-    "control": ("threads", "control_concurrency"),
-}
-POOL_KINDS = ("threads", "gevent", "prefork")
-AUTOSCALING_POOLS = ("prefork", "gevent")  # Celery's thread pool cannot grow or shrink
 FAILED_STATUSES = ("failed", "timed_out", "cancelled")
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Overrides of one worker's defaults (pool and concurrency from WORKER_POOLS and settings)."""
-    pool: Optional[str] = None
-    concurrency: Optional[int] = None
-    autoscale: Optional[tuple[int, int]] = None  # (max, min) processes or greenlets
-    hostname: Optional[str] = None  # Celery node name; default <queue>-<random>@<host>, unique per process
-
-
-def local_address(settings: Settings) -> str:
-    """Where this machine reaches what listens on ``bind_host``."""
-    return "127.0.0.1" if settings.bind_host in ("0.0.0.0", "::", "") else settings.bind_host
-
-
-def gateway_command(settings: Settings, bind: Optional[str] = None) -> list[str]:
-    return [sys.executable, "-m", "gunicorn", "--workers", str(settings.gateway_workers),
-            "--threads", "8", "--bind", f"{bind or settings.bind_host}:{settings.port}", "--timeout", "120",
-            "--graceful-timeout", "10", "workers.wsgi:create_app()"]
-
-
-def worker_command(settings: Settings, queue: str, options: WorkerOptions = WorkerOptions()) -> list[str]:
-    if queue not in WORKER_POOLS:
-        raise ConfigError(f"unknown queue {queue!r}; valid: {', '.join(WORKER_POOLS)}")
-    default_pool, concurrency_field = WORKER_POOLS[queue]
-    pool = options.pool or default_pool
-    if pool not in POOL_KINDS:
-        raise ConfigError(f"unknown pool {pool!r}; valid: {', '.join(POOL_KINDS)}")
-    if pool == "gevent":
-        import importlib.util
-
-        if importlib.util.find_spec("gevent") is None:
-            raise ConfigError("--pool gevent needs the gevent package: pip install gevent, or use --pool threads")
-    if options.autoscale and pool not in AUTOSCALING_POOLS:
-        raise ConfigError(f"--autoscale needs a pool that can grow ({', '.join(AUTOSCALING_POOLS)}), "
-                          f"not {pool!r}: add --pool prefork, or give a fixed --concurrency instead")
-    if options.autoscale:
-        sizing = ["--autoscale", f"{options.autoscale[0]},{options.autoscale[1]}"]
-    else:
-        sizing = ["-c", str(options.concurrency or getattr(settings, concurrency_field))]
-    hostname = options.hostname or f"{queue}-{uuid.uuid4().hex[:6]}@%h"
-    return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queue,
-            "-P", pool, *sizing, "-n", hostname,
-            "--loglevel", settings.worker_log_level, *(["-E"] if settings.task_events else []),
-            "--without-gossip", "--without-mingle"]
-
-
-FLOWER_NICENESS = 10
-FLOWER_USER = "rollout"
-WATCH_INTERVAL_S = 0.5
-
-
-def flower_command(settings: Settings) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "flower",
-            f"--port={settings.flower_port}", f"--address={settings.bind_host}",
-            f"--enable_events={settings.task_events}"]  # Flower would otherwise turn worker events back on
 
 
 def served_model(settings: Settings, engine: str) -> str:
@@ -99,7 +36,7 @@ def served_model(settings: Settings, engine: str) -> str:
 def engine_command(settings: Settings, engine: str, model_dir: Path) -> tuple[list[str], dict[str, str]]:
     """The command and extra environment of the backend `up` starts (ROLLOUT_ENGINE)."""
     if engine == "vllm":
-        from rollout_service.engines import vllm_command, vllm_env
+        from rollout_service.devtools.engines import vllm_command, vllm_env
 
         name = reference_model_name(served_model(settings, engine))
         return (vllm_command(Path(settings.vllm_venv).resolve(), model_dir, name, settings.reference_port),
@@ -110,21 +47,8 @@ def engine_command(settings: Settings, engine: str, model_dir: Path) -> tuple[li
 
 
 def reference_command(settings: Settings, model_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "rollout_service.reference_server", "--model", str(model_dir),
+    return [sys.executable, "-m", "rollout_service.devtools.reference_server", "--model", str(model_dir),
             "--port", str(settings.reference_port), "--host", "127.0.0.1"]
-
-
-def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int, ...] = (200,)) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        supervisor.check()
-        try:
-            if httpx.get(url, timeout=2).status_code in ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise ConfigError(f"{url} did not become ready within {timeout_s:.0f} s; see logs in {supervisor.log_dir}")
 
 
 def register_reference(gateway: str, reference: str, model_dir: Path, settings: Settings, engine: str) -> None:
@@ -141,7 +65,7 @@ def probe_backends_at_start(redis_url: str) -> list[BackendView]:
     Redis by an earlier run are marked unhealthy instead of showing ``healthy: true``)."""
     import redis
 
-    from rollout_service.backends import FAILURES_TO_UNHEALTHY, BackendPool
+    from rollout_service.state.backends import FAILURES_TO_UNHEALTHY, BackendPool
 
     client = redis.Redis.from_url(redis_url)
     try:
@@ -182,7 +106,7 @@ def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Name
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from rollout_service.redis_server import RedisServer, write_private
+    from rollout_service.devtools.redis_server import RedisServer, write_private
 
     settings = get_settings()
     args.engine = args.engine or settings.engine
@@ -274,7 +198,7 @@ def job_fields(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def cmd_submit(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from rollout_service.client import RolloutClient
+    from rollout_service.sdk.client import RolloutClient
 
     settings = get_settings()
     tasks = []
@@ -319,7 +243,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
     import redis
 
     from rollout_service.sandbox import reap_expired
-    from rollout_service.store import redis_client
+    from rollout_service.state.store import redis_client
 
     host = None if args.all_hosts else _hostname()
     while True:
@@ -427,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_harness(args: argparse.Namespace) -> int:
-    from rollout_service.harness_presets import install
+    from rollout_service.runtime.harness_presets import install
 
     target = install(args.name, args.into, tuple(args.package))
     print(f"{target}\nuse it with: \"agent\": {{\"harness\": {{\"env_dir\": \"{target}\", ...}}}}")
@@ -437,7 +361,7 @@ def cmd_harness(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["reference-server"]:
-        from rollout_service.reference_server import main as reference_main
+        from rollout_service.devtools.reference_server import main as reference_main
 
         reference_main(argv[1:])
         return 0

@@ -6,7 +6,10 @@ fields so a typo is a 400 that names it rather than a silently ignored option.
 from __future__ import annotations
 
 from enum import Enum
+from collections.abc import Iterable
 from typing import Any, Literal, Optional
+
+import pydantic
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.config import JsonDict
@@ -592,3 +595,18 @@ class UpdateWeightsResult(BaseModel):
 
 
 PauseState.model_rebuild()
+
+
+def where(path: Iterable[Any], prefix: str = "") -> str:
+    """``jobs[3].sampling.temperature``; long paths keep their first parts."""
+    text = prefix
+    for count, part in enumerate(path):
+        if count == 12:
+            return text + "..."
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "body"
+
+
+def validation_message(exc: pydantic.ValidationError, prefix: str = "") -> str:
+    """``jobs[3].sampling.temperature: Input should be ...`` for every problem pydantic found."""
+    return "; ".join(f"{where(e['loc'], prefix)}: {e['msg']}" for e in exc.errors())

@@ -6,7 +6,7 @@ from typing import Iterator
 import pytest
 import redis
 
-from rollout_service.redis_server import RedisServer
+from rollout_service.devtools.redis_server import RedisServer
 
 pytest_plugins = ["tests.fixtures_service", "tests.fixtures_tokens", "tests.fixtures_slurm", "tests.fixtures_celery"]
 

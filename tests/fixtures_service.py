@@ -8,9 +8,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from rollout_service.client import RolloutClient
+from rollout_service.sdk.client import RolloutClient
 from rollout_service.errors import ApiError
-from rollout_service.local_service import LocalService, local_service
+from rollout_service.devtools.local_service import LocalService, local_service
 from rollout_service.schemas import BackendView
 
 SERVICE_SETTINGS = {

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from rollout_service.redis_server import free_port
+from rollout_service.devtools.redis_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM_DIR = REPO / "slurm"

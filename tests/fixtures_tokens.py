@@ -9,9 +9,9 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from rollout_service.redis_server import free_port
-from rollout_service.reference_server import ReferenceServerProcess
-from rollout_service.tiny_model import build_tiny_model, build_tiny_tokenizer
+from rollout_service.devtools.redis_server import free_port
+from rollout_service.devtools.reference_server import ReferenceServerProcess
+from rollout_service.devtools.tiny_model import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,10 @@ import httpx
 import pytest
 from celery import Celery
 
-from rollout_service.backends import BackendPool
-from rollout_service.cli import FLOWER_NICENESS
-from rollout_service.priority import rank
-from rollout_service.redis_server import free_port
+from rollout_service.state.backends import BackendPool
+from rollout_service.launch.commands import FLOWER_NICENESS
+from rollout_service.concurrency.priority import rank
+from rollout_service.devtools.redis_server import free_port
 from rollout_service.schemas import BackendSpec
 from tests.helpers import processes_with
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from rollout_service import errors
-from rollout_service.metrics_recording import COUNTERS, HISTOGRAMS
+from rollout_service.state.metrics_recording import COUNTERS, HISTOGRAMS
 from rollout_service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def test_the_error_code_table_of_docs_api_md_matches_errors_py() -> None:
 
 def exported_metrics() -> set[str]:
     """Every metric family and sample name GET /metrics can answer (metrics.py and metrics_recording.py)."""
-    source = (ROOT / "rollout_service" / "metrics.py").read_text()
+    source = (ROOT / "rollout_service" / "gateway" / "metrics.py").read_text()
     names = set(re.findall(r'"(rollout_[a-z_]+)"', source))
     names |= {f"rollout_backend_{field}" for field in re.findall(r'\("([a-z_]+)", "[A-Z1]', source)
               if not field.startswith("rollout_")}  # f"rollout_backend_{field}" of metrics._render_backends

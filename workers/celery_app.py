@@ -23,9 +23,9 @@ from celery.signals import celeryd_init, worker_process_init, worker_ready
 from celery.worker import state as worker_state
 from kombu.transport import redis as kombu_redis
 
-from rollout_service.green import IdleCollector, green_process
+from rollout_service.concurrency.green import IdleCollector, green_process
 from rollout_service.settings import Settings, get_settings
-from rollout_service.store import resolve_redis_url
+from rollout_service.state.store import resolve_redis_url
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,10 @@ def _raise_open_file_limit(slots: int) -> None:
 # imported in the middle of the first jobs), and the objects gc.freeze() then takes out of the
 # collector's sight.
 PRELOAD = {"init": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2",
-                    "rollout_service.autopipeline"),
+                    "rollout_service.concurrency.autopipeline"),
            "run": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2",
-                   "rollout_service.autopipeline"),
-           "eval": ("math_verify", "rollout_service.autopipeline")}
+                   "rollout_service.concurrency.autopipeline"),
+           "eval": ("math_verify", "rollout_service.concurrency.autopipeline")}
 
 
 @celeryd_init.connect
@@ -190,8 +190,8 @@ _wake_soon_when_paused()
 def warm_renderers(client: redis.Redis) -> None:
     """Load the tokenizer of every registered backend before a job needs it: the first job of a
     worker otherwise waits ~20 ms per tokenizer, once per worker process."""
-    from rollout_service.backends import BackendPool
-    from rollout_service.tokens import renderer_for
+    from rollout_service.state.backends import BackendPool
+    from rollout_service.runtime.tokens import renderer_for
 
     for tokenizer in {b.tokenizer for b in BackendPool(client).list() if b.tokenizer}:
         try:

@@ -16,11 +16,11 @@ from typing import Any, Optional
 import redis
 from celery.signals import worker_ready
 
-from rollout_service.backends import BackendPool
+from rollout_service.state.backends import BackendPool
 from rollout_service.errors import StoreUnavailable
 from rollout_service.schemas import TERMINAL_STATUSES, JobStatus
 from rollout_service.settings import get_settings
-from rollout_service.store import JobStore, broker_client
+from rollout_service.state.store import JobStore, broker_client
 from workers import dispatch
 from workers.celery_app import app
 from workers.stage import STAGE_STATUS, job_store
@@ -168,8 +168,8 @@ def _start_housekeeping(sender: Any, **_: Any) -> None:
           retry_backoff=True, max_retries=8)
 def batch_member_done(job_id: str) -> str:
     """A member of a batch reached a terminal state: decide its group, top the batch up, cancel
-    what the batch no longer needs (see rollout_service.batches)."""
-    from rollout_service.batches import BatchControl
+    what the batch no longer needs (see rollout_service.state.batches)."""
+    from rollout_service.state.batches import BatchControl
 
     decision = BatchControl(job_store(), dispatch.enqueue_jobs).member_done(job_id)
     log.info("batch member %s: %s", job_id, decision)

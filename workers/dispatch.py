@@ -20,14 +20,13 @@ from typing import Iterable, Optional, Sequence
 
 import redis
 
-from rollout_service import store as job_store_module
+from rollout_service.state import store as job_store_module
 from rollout_service.errors import UnknownName
 from rollout_service.settings import get_settings
+from rollout_service.state.store import STAGES
 from workers.celery_app import HEARTBEAT_KEY_PREFIX, app
 
 log = logging.getLogger(__name__)
-
-STAGES = ("init", "run", "eval")
 QUEUES = ("init", "run", "eval", "control")
 TASK_NAMES = {
     "init": "workers.init.init_jobs",

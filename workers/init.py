@@ -1,7 +1,7 @@
 """init queue: everything expensive before the episode — handler, workspace, prompt ids."""
 from __future__ import annotations
 
-from rollout_service.preparation import prepare_job
+from rollout_service.runtime.preparation import prepare_job
 from rollout_service.schemas import BackendView, JobRequest
 from workers import dispatch
 from workers.celery_app import app

@@ -5,22 +5,22 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rollout_service.agent import Agent, Episode, Limits
-from rollout_service.backends import AllBackendsDown, BackendPool, FirstCall
-from rollout_service.green import after_live_work, green_process, in_background
-from rollout_service.harness import ChatSession, harness_messages, new_api_key, run_harness
-from rollout_service.harness_presets import read_only_dirs
-from rollout_service.llm import CALL_GATE, PooledLLM
-from rollout_service.metrics_recording import record_episode
-from rollout_service.preparation import prepare_job
+from rollout_service.runtime.agent import Agent, Episode, Limits
+from rollout_service.state.backends import AllBackendsDown, BackendPool, FirstCall
+from rollout_service.concurrency.green import after_live_work, green_process, in_background
+from rollout_service.runtime.harness import ChatSession, harness_messages, new_api_key, run_harness
+from rollout_service.runtime.harness_presets import read_only_dirs
+from rollout_service.runtime.llm import CALL_GATE, PooledLLM
+from rollout_service.state.metrics_recording import record_episode
+from rollout_service.runtime.preparation import prepare_job
 from rollout_service.sandbox import SandboxSpec, create_sandbox, needs_sandbox
 from rollout_service.sandbox.base import BackgroundStart
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus, Prepared
-from rollout_service.scoring import complete_scored
+from rollout_service.runtime.scoring import complete_scored
 from rollout_service.settings import get_settings
 from rollout_service.tasks import get_handler, quick_score, restore_workspace
-from rollout_service.tokens import renderer_for
-from rollout_service.toolcalls import get_parser
+from rollout_service.runtime.tokens import renderer_for
+from rollout_service.runtime.toolcalls import get_parser
 from workers import dispatch
 from workers.celery_app import app
 from workers.stage import Slots, StageContext, job_store, run_stage_jobs

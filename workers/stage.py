@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from celery.worker import state as worker_state
 
 from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError, SandboxError
-from rollout_service.metrics_recording import Increments
+from rollout_service.state.metrics_recording import Increments
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
-from rollout_service.store import BeginCall, JobStore, StageEnd, redis_client, unpack
+from rollout_service.state.store import BeginCall, JobStore, StageEnd, redis_client, unpack
 from workers import celery_app, dispatch
 
 log = logging.getLogger(__name__)

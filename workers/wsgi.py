@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from flask import Flask
 
-from rollout_service import gateway
+from rollout_service.gateway.app import create_app as create_gateway
 from rollout_service.settings import Settings
 from workers import dispatch
 
 
 def create_app(settings: Settings | None = None) -> Flask:
-    return gateway.create_app(settings, enqueue=dispatch)
+    return create_gateway(settings, enqueue=dispatch)

@@ -36,7 +36,7 @@ from rollout_service.sandbox.base import (
     host_import_paths,
     server_arguments,
 )
-from rollout_service.green import green_process, wait_ready
+from rollout_service.concurrency.green import green_process, wait_ready
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000

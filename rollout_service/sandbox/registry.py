@@ -14,9 +14,8 @@ import tempfile
 import time
 from typing import Any
 
-from rollout_service.sandbox.base import kill_tree, owner_alive, process_start_ticks, sweep_orphaned_scratch
+from rollout_service.sandbox.processes import kill_tree, owner_alive, process_start_ticks, sweep_orphaned_scratch
 from rollout_service.settings import get_settings
-from rollout_service.store import as_text
 
 PREFIX = "rollout:sandbox"
 EXPIRY_KEY = f"{PREFIX}:expiry"
@@ -96,3 +95,7 @@ def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
         reaped.append(sandbox_id)
     sweep_orphaned_scratch([get_settings().scratch_path, tempfile.gettempdir()])
     return reaped
+
+
+def as_text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

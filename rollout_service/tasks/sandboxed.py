@@ -38,7 +38,7 @@ def eval_budget_s(task: dict[str, Any]) -> float:
 def grading_workspace(prefix: str, small: bool = False) -> Iterator[Path]:
     """A new, empty host directory for one grading run; removed afterwards. ``small``: it holds a few
     files (memory-backed scratch space by default), not a repository."""
-    from rollout_service.sandbox.base import make_scratch_dir
+    from rollout_service.sandbox.processes import make_scratch_dir
 
     path = Path(make_scratch_dir(prefix, None if small else tempfile.gettempdir()))
     try:

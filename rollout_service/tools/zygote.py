@@ -44,7 +44,7 @@ import runpy  # noqa: F401  (what sandboxes use, imported once here instead of i
 import select  # noqa: F401
 import subprocess  # noqa: F401
 
-from rollout_service.priority import lower_priority, restore_priority
+from rollout_service.concurrency.priority import lower_priority, restore_priority
 from rollout_service.tools import action_server, bash, code_runner, confine  # noqa: F401
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000

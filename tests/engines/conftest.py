@@ -6,9 +6,9 @@ from typing import Iterator
 
 import pytest
 
-from rollout_service.engines import VLLMServer
-from rollout_service.models import build_smollm2
-from rollout_service.redis_server import free_port
+from rollout_service.devtools.engines import VLLMServer
+from rollout_service.devtools.models import build_smollm2
+from rollout_service.devtools.redis_server import free_port
 from rollout_service.settings import get_settings
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.client import RolloutClient
-from rollout_service.engines import vllm_command, vllm_env
-from rollout_service.redis_server import free_port
+from rollout_service.sdk.client import RolloutClient
+from rollout_service.devtools.engines import vllm_command, vllm_env
+from rollout_service.devtools.redis_server import free_port
 from rollout_service.settings import get_settings
 from tests.fixtures_slurm import SLURM_DIR, job_processes, start_control
 

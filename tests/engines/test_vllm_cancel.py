@@ -8,8 +8,8 @@ import time
 
 import httpx
 
-from rollout_service.engines import VLLMServer
-from rollout_service.store import JobStore
+from rollout_service.devtools.engines import VLLMServer
+from rollout_service.state.store import JobStore
 from tests.helpers import math_task
 
 FREED_WITHIN_S = 2.0

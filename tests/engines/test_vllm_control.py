@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_service.engines import VLLMServer
+from rollout_service.devtools.engines import VLLMServer
 from rollout_service.errors import ApiError
 from tests.helpers import math_task
 

@@ -5,7 +5,7 @@ import math
 
 import httpx
 
-from rollout_service.engines import VLLMServer
+from rollout_service.devtools.engines import VLLMServer
 from tests.helpers import math_task
 
 

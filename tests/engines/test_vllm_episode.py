@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from rollout_service.engines import VLLMServer
-from rollout_service.models import SMOLLM2_LT_TOKEN_ID
+from rollout_service.devtools.engines import VLLMServer
+from rollout_service.devtools.models import SMOLLM2_LT_TOKEN_ID
 from rollout_service.schemas import Segment
 from tests.helpers import math_task
 

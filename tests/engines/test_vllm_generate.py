@@ -7,12 +7,12 @@ import math
 import httpx
 import pytest
 
-from rollout_service import inference
-from rollout_service.engines import VLLMServer
+from rollout_service.runtime import inference
+from rollout_service.devtools.engines import VLLMServer
 from rollout_service.errors import ApiError
-from rollout_service.inference import ReferenceClient, VLLMClient
+from rollout_service.runtime.inference import ReferenceClient, VLLMClient
 from rollout_service.schemas import Sampling
-from rollout_service.store import JobStore, unpack
+from rollout_service.state.store import JobStore, unpack
 from tests.helpers import math_task
 
 EOS = 2  # SmolLM2's <|im_end|>

@@ -7,10 +7,10 @@ import time
 import uuid
 from collections.abc import Callable
 
-from rollout_service.client import RolloutClient
+from rollout_service.sdk.client import RolloutClient
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus
 from rollout_service.settings import Settings
-from rollout_service.store import JobStore
+from rollout_service.state.store import JobStore
 from tests.fixtures_service import Service
 from tests.helpers import math_task, server_log, tool_call
 

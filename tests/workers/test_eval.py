@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
-from rollout_service.client import RolloutClient
+from rollout_service.sdk.client import RolloutClient
 from rollout_service.schemas import BackendView, FinishReason, JobStatus
 from tests.helpers import (
     assert_trajectory_is_exactly_what_the_server_returned,

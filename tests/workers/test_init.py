@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.client import RolloutClient
+from rollout_service.sdk.client import RolloutClient
 from rollout_service.schemas import BackendView, JobView
-from rollout_service.tokens import renderer_for
+from rollout_service.runtime.tokens import renderer_for
 from rollout_service.tools.schemas import tool_schemas
 from tests.helpers import server_log, tool_call
 

@@ -1,0 +1,1 @@
+"""Servers and builds for tests, benchmarks and laptops: reference server, tiny model, local service."""

@@ -1,0 +1,1 @@
+"""The HTTP gateway: the Flask app, its routes, the OpenAPI document, /metrics and the viewer."""

@@ -1,1 +1,0 @@
-"""Glue for trainer libraries (each module imports its library only when used)."""

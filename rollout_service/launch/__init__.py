@@ -1,0 +1,1 @@
+"""Starting the service's processes: their commands, and the supervisor that keeps them alive."""

@@ -1,0 +1,1 @@
+"""The episode: the agent loop, its LLM calls and inference clients, tokens, tool calls, harnesses."""

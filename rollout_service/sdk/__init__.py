@@ -1,0 +1,1 @@
+"""The trainer side: the HTTP client, trajectory adapters and trainer integrations."""
