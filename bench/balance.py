@@ -20,6 +20,7 @@ Load definitions (sampled every ``--sample-ms``):
 
     python bench/balance.py [--backends 4] [--rollouts 200] [--concurrency 32] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,20 +31,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service.state.backends import BackendPool  # noqa: E402
 from rollout_service.devtools.redis_server import RedisServer  # noqa: E402
 from rollout_service.schemas import BackendSpec  # noqa: E402
+from rollout_service.state.backends import BackendPool  # noqa: E402
 
 MODEL = "sim-model"
 ROLLOUT_KEY_TOKENS = 8
@@ -77,10 +78,11 @@ class SimServer:
             self.inflight += 1
             stored = self.cache.get(key, [])
         try:
-            cached = len(stored) if prompt[:len(stored)] == stored else 0
+            cached = len(stored) if prompt[: len(stored)] == stored else 0
             n_new = int(body.get("max_tokens", 16))
-            time.sleep((len(prompt) - cached) * self.latency.prefill_s_per_token
-                       + n_new * self.latency.decode_s_per_token)
+            time.sleep(
+                (len(prompt) - cached) * self.latency.prefill_s_per_token + n_new * self.latency.decode_s_per_token
+            )
             rng = random.Random(hash((key, len(prompt))))
             token_ids = [rng.randrange(VOCAB) for _ in range(n_new)]
             with self.lock:
@@ -89,13 +91,23 @@ class SimServer:
             with self.lock:
                 self.inflight -= 1
         return {
-            "object": "text_completion", "model": body.get("model", MODEL),
-            "choices": [{"index": 0, "text": "", "token_ids": token_ids, "finish_reason": "length",
-                         "logprobs": {"tokens": [f"token_id:{t}" for t in token_ids],
-                                      "token_logprobs": [-1.0] * n_new}}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_new,
-                      "total_tokens": len(prompt) + n_new,
-                      "prompt_tokens_details": {"cached_tokens": cached}},
+            "object": "text_completion",
+            "model": body.get("model", MODEL),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": token_ids,
+                    "finish_reason": "length",
+                    "logprobs": {"tokens": [f"token_id:{t}" for t in token_ids], "token_logprobs": [-1.0] * n_new},
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": n_new,
+                "total_tokens": len(prompt) + n_new,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
         }
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -140,8 +152,9 @@ class RolloutPlan:
 
 def plan_rollouts(n: int, seed: int, max_turns: int) -> list[RolloutPlan]:
     rng = random.Random(seed)
-    return [RolloutPlan(f"r{i}", min(max_turns, int(3 * rng.paretovariate(1.2))), rng.randrange(2**31))
-            for i in range(n)]
+    return [
+        RolloutPlan(f"r{i}", min(max_turns, int(3 * rng.paretovariate(1.2))), rng.randrange(2**31)) for i in range(n)
+    ]
 
 
 @dataclass
@@ -154,8 +167,7 @@ class Stats:
     cached_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record(self, eligible: bool, hit: bool, same_backend: bool, prompt_tokens: int,
-               cached_tokens: int) -> None:
+    def record(self, eligible: bool, hit: bool, same_backend: bool, prompt_tokens: int, cached_tokens: int) -> None:
         with self.lock:
             self.turns += 1
             self.prompt_tokens += prompt_tokens
@@ -212,8 +224,9 @@ class RoundRobinPolicy(Policy):
             return self.urls[next(self.counter) % len(self.urls)]
 
 
-def run_rollout(plan: RolloutPlan, policy: Policy, pool: BackendPool, client: httpx.Client,
-                stats: Stats, latency: Latency) -> None:
+def run_rollout(
+    plan: RolloutPlan, policy: Policy, pool: BackendPool, client: httpx.Client, stats: Stats, latency: Latency
+) -> None:
     rng = random.Random(plan.seed)
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(150, 400))]
     previous_context = 0
@@ -225,17 +238,32 @@ def run_rollout(plan: RolloutPlan, policy: Policy, pool: BackendPool, client: ht
                 pool.wait_resumed(10.0, lambda: False)
             try:
                 url = policy.url_for_call(plan.rollout_id)
-                reply = client.post(f"{url}/v1/completions", json={
-                    "model": MODEL, "prompt": prompt, "max_tokens": rng.randint(16, 64),
-                    "temperature": 1.0, "logprobs": 0, "return_tokens_as_token_ids": True,
-                }).raise_for_status().json()
+                reply = (
+                    client.post(
+                        f"{url}/v1/completions",
+                        json={
+                            "model": MODEL,
+                            "prompt": prompt,
+                            "max_tokens": rng.randint(16, 64),
+                            "temperature": 1.0,
+                            "logprobs": 0,
+                            "return_tokens_as_token_ids": True,
+                        },
+                    )
+                    .raise_for_status()
+                    .json()
+                )
             finally:
                 pool.end_call(plan.rollout_id)
             first_url = first_url or url
             cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-            stats.record(eligible=turn > 0, hit=turn > 0 and cached >= previous_context,
-                         same_backend=url == first_url, prompt_tokens=len(prompt),
-                         cached_tokens=cached)
+            stats.record(
+                eligible=turn > 0,
+                hit=turn > 0 and cached >= previous_context,
+                same_backend=url == first_url,
+                prompt_tokens=len(prompt),
+                cached_tokens=cached,
+            )
             completion = reply["choices"][0]["token_ids"]
             previous_context = len(prompt) + len(completion)
             time.sleep(latency.tool_s)  # the tool call
@@ -251,8 +279,14 @@ class Sample:
     inflight: list[int]
 
 
-def sample_loads(policy: Policy, servers: list[SimServer], waiting: Callable[[], bool],
-                 stop: threading.Event, period_s: float, out: list[Sample]) -> None:
+def sample_loads(
+    policy: Policy,
+    servers: list[SimServer],
+    waiting: Callable[[], bool],
+    stop: threading.Event,
+    period_s: float,
+    out: list[Sample],
+) -> None:
     while not stop.is_set():
         out.append(Sample(waiting(), policy.live_assignments(), [s.inflight for s in servers]))
         stop.wait(period_s)
@@ -262,12 +296,18 @@ def imbalance(loads: list[list[int]]) -> dict[str, float | int | None]:
     ratios = [max(load) / (sum(load) / len(load)) for load in loads if sum(load) > 0]
     if not ratios:
         return {"max": None, "mean": None, "samples": 0}
-    return {"max": round(max(ratios), 3), "mean": round(sum(ratios) / len(ratios), 3),
-            "samples": len(ratios)}
+    return {"max": round(max(ratios), 3), "mean": round(sum(ratios) / len(ratios), 3), "samples": len(ratios)}
 
 
-def run_policy(policy: Policy, plans: list[RolloutPlan], servers: list[SimServer],
-               pool: BackendPool, concurrency: int, latency: Latency, sample_s: float) -> dict:
+def run_policy(
+    policy: Policy,
+    plans: list[RolloutPlan],
+    servers: list[SimServer],
+    pool: BackendPool,
+    concurrency: int,
+    latency: Latency,
+    sample_s: float,
+) -> dict:
     for server in servers:
         server.cache.clear()
     stats = Stats()
@@ -286,8 +326,7 @@ def run_policy(policy: Policy, plans: list[RolloutPlan], servers: list[SimServer
 
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     with httpx.Client(timeout=60.0, limits=limits) as client:
-        sampler = threading.Thread(target=sample_loads, args=(
-            policy, servers, steady, stop, sample_s, samples))
+        sampler = threading.Thread(target=sample_loads, args=(policy, servers, steady, stop, sample_s, samples))
         t0 = time.monotonic()
         sampler.start()
         with ThreadPoolExecutor(concurrency) as executor:
@@ -341,11 +380,18 @@ def main() -> int:
             for server in servers:
                 pool.register(BackendSpec(url=server.url, kind="vllm", model=MODEL))
             results = {
-                "pool": run_policy(PoolPolicy(pool), plans, servers, pool, args.concurrency,
-                                   latency, args.sample_ms / 1000),
-                "round_robin": run_policy(RoundRobinPolicy([s.url for s in servers]), plans,
-                                          servers, pool, args.concurrency, latency,
-                                          args.sample_ms / 1000),
+                "pool": run_policy(
+                    PoolPolicy(pool), plans, servers, pool, args.concurrency, latency, args.sample_ms / 1000
+                ),
+                "round_robin": run_policy(
+                    RoundRobinPolicy([s.url for s in servers]),
+                    plans,
+                    servers,
+                    pool,
+                    args.concurrency,
+                    latency,
+                    args.sample_ms / 1000,
+                ),
             }
         finally:
             for server in servers:
@@ -354,8 +400,10 @@ def main() -> int:
 
     pool_result, rr_result = results["pool"], results["round_robin"]
     checks = {
-        "pool_live_assignments_steady_max_over_mean_le_1.25":
-            (pool_result["live_assignments_imbalance"]["steady"]["max"] or 0) <= 1.25,
+        "pool_live_assignments_steady_max_over_mean_le_1.25": (
+            pool_result["live_assignments_imbalance"]["steady"]["max"] or 0
+        )
+        <= 1.25,
         "pool_cache_hit_ge_0.95": pool_result["cache_hit_rate"] >= 0.95,
         "pool_same_backend_turns_eq_1": pool_result["same_backend_turn_rate"] == 1.0,
         "round_robin_cache_hit_le_0.30": rr_result["cache_hit_rate"] <= 0.30,
@@ -363,22 +411,27 @@ def main() -> int:
     }
     report = {
         "bench": "balance",
-        "backends": args.backends, "rollouts": args.rollouts, "concurrency": args.concurrency,
-        "turns_per_rollout": {"min": turns[0], "median": turns[len(turns) // 2],
-                              "p90": turns[int(len(turns) * 0.9)], "max": turns[-1],
-                              "total": sum(turns)},
+        "backends": args.backends,
+        "rollouts": args.rollouts,
+        "concurrency": args.concurrency,
+        "turns_per_rollout": {
+            "min": turns[0],
+            "median": turns[len(turns) // 2],
+            "p90": turns[int(len(turns) * 0.9)],
+            "max": turns[-1],
+            "total": sum(turns),
+        },
         "definitions": {
             "imbalance": "max over backends / mean over backends of the load at one sample "
-                         "(samples with total load > 0); max and mean are over time",
-            "steady": "samples after every worker slot has been filled and while rollouts are "
-                      "still waiting for a slot",
+            "(samples with total load > 0); max and mean are over time",
+            "steady": "samples after every worker slot has been filled and while rollouts are still waiting for a slot",
             "all": "every sample, including the ramp-up and the drain tail (fewer rollouts "
-                   "in flight than backends), where no sticky policy can stay balanced",
+            "in flight than backends), where no sticky policy can stay balanced",
             "cache_hit_rate": "turns after the first whose prompt the server had cached through "
-                              "the previous turn's completion (previous turn on the same server)",
+            "the previous turn's completion (previous turn on the same server)",
             "cached_prompt_token_rate": "prompt tokens served from cache / all prompt tokens; "
-                                        "the simulated cache never evicts, so round-robin still "
-                                        "reuses prefixes from a rollout's older visits",
+            "the simulated cache never evicts, so round-robin still "
+            "reuses prefixes from a rollout's older visits",
             "same_backend_turn_rate": "turns served by the backend of the rollout's first turn",
         },
         **results,

@@ -10,6 +10,7 @@ time, as eval's prefork children grade, and as many grading sandboxes that run n
 Python's ``__hello__`` (what a grading costs before its test). Each part reports the whole
 machine's busy CPU per sandbox (every process, the sandboxes' own included) and its wall time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,7 +44,10 @@ def measured(count: int, work: Callable[[], Any], settle_s: float = 0.0) -> tupl
     result = work()
     wall_s = time.monotonic() - started
     time.sleep(settle_s)
-    return {"machine_cpu_ms_each": round((machine_busy_s() - busy) / count * 1e3, 2), "wall_s": round(wall_s, 3)}, result
+    return {
+        "machine_cpu_ms_each": round((machine_busy_s() - busy) / count * 1e3, 2),
+        "wall_s": round(wall_s, 3),
+    }, result
 
 
 def agent_sandboxes(count: int, workspace_root: str) -> dict[str, Any]:
@@ -57,10 +62,21 @@ def agent_sandboxes(count: int, workspace_root: str) -> dict[str, Any]:
 
     def boot(n: int) -> Any:
         workspace = tempfile.mkdtemp(prefix=f"w{n}-", dir=workspace_root)
-        sandbox = BackgroundStart(create_sandbox(settings.sandbox, SandboxSpec(
-            job_id=f"cost-{n}-{os.urandom(4).hex()}", workspace=workspace, tools=("bash", "finish"),
-            memory_mb=settings.sandbox_memory_mb, cpu_time_s=settings.sandbox_cpu_time_s,
-            max_procs=settings.sandbox_max_procs, ttl_s=300), None))
+        sandbox = BackgroundStart(
+            create_sandbox(
+                settings.sandbox,
+                SandboxSpec(
+                    job_id=f"cost-{n}-{os.urandom(4).hex()}",
+                    workspace=workspace,
+                    tools=("bash", "finish"),
+                    memory_mb=settings.sandbox_memory_mb,
+                    cpu_time_s=settings.sandbox_cpu_time_s,
+                    max_procs=settings.sandbox_max_procs,
+                    ttl_s=300,
+                ),
+                None,
+            )
+        )
         assert "hi" in sandbox.execute("bash", COMMAND, timeout_s=30)["output"]
         return sandbox
 
@@ -71,8 +87,9 @@ def agent_sandboxes(count: int, workspace_root: str) -> dict[str, Any]:
         gevent.joinall([gevent.spawn(s.sandbox.stop) for s in sandboxes], raise_error=True)
 
     boot(-1).sandbox.stop()  # the fork server starts with the first sandbox
-    booted, greenlets = measured(count, lambda: gevent.joinall(
-        [gevent.spawn(boot, n) for n in range(count)], raise_error=True))
+    booted, greenlets = measured(
+        count, lambda: gevent.joinall([gevent.spawn(boot, n) for n in range(count)], raise_error=True)
+    )
     sandboxes = [g.value for g in greenlets]
     command, _ = measured(count, lambda: command_each(sandboxes))
     stopped, _ = measured(count, lambda: stop_all(sandboxes), settle_s=0.5)
@@ -118,21 +135,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.gradings_only:
         print(json.dumps(gradings(args.gradings, args.parallel)))
         return 0
-    graded = subprocess.run([sys.executable, __file__, "--gradings-only", "--gradings", str(args.gradings),
-                             "--parallel", str(args.parallel)], capture_output=True, text=True, check=True)
+    graded = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--gradings-only",
+            "--gradings",
+            str(args.gradings),
+            "--parallel",
+            str(args.parallel),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     from gevent import monkey
 
     monkey.patch_all()
     from rollout_service.settings import get_settings
 
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-cost-", dir=get_settings().scratch_path) as root:
-        result = {"bench": "sandbox_cost", "sandbox": get_settings().sandbox, "cores": os.cpu_count(),
-                  "sandboxes": args.sandboxes, **agent_sandboxes(args.sandboxes, root),
-                  "gradings": args.gradings, "parallel": args.parallel,
-                  **json.loads(graded.stdout.strip().splitlines()[-1])}
+        result = {
+            "bench": "sandbox_cost",
+            "sandbox": get_settings().sandbox,
+            "cores": os.cpu_count(),
+            "sandboxes": args.sandboxes,
+            **agent_sandboxes(args.sandboxes, root),
+            "gradings": args.gradings,
+            "parallel": args.parallel,
+            **json.loads(graded.stdout.strip().splitlines()[-1]),
+        }
     for part in ("boot_and_first_command", "one_more_command", "stop", "grading", "grading_sandbox_alone"):
-        print(f"{part:24s} {result[part]['machine_cpu_ms_each']:6.2f} ms machine CPU each, "
-              f"{result[part]['wall_s']:.3f} s for all")
+        print(
+            f"{part:24s} {result[part]['machine_cpu_ms_each']:6.2f} ms machine CPU each, "
+            f"{result[part]['wall_s']:.3f} s for all"
+        )
     if args.json:
         print(json.dumps(result))
     return 0

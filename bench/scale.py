@@ -16,6 +16,7 @@ the time to fetch every trajectory, and peak RSS of the service per in-flight ro
     .venv/bin/python bench/scale.py --rollouts 1000 --turns 4 --delay-s 1 [--sandbox [--domain code]] [--json]
     .venv/bin/python bench/scale.py --rollouts 1000 --turns 1 --filler-tokens 8000 --delay-s 0  # fetch
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from rollout_service.sdk.client import RolloutClient  # noqa: E402
-from rollout_service.errors import DeadlineExceeded  # noqa: E402
 from rollout_service.devtools.redis_server import RedisServer, free_port  # noqa: E402
 from rollout_service.devtools.tiny_model import build_tiny_tokenizer  # noqa: E402
+from rollout_service.errors import DeadlineExceeded  # noqa: E402
+from rollout_service.sdk.client import RolloutClient  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,10 +77,25 @@ def cpu_seconds(pids: list[int]) -> dict[str, float]:
         except OSError:
             continue
         joined = " ".join(args)
-        name = ("worker-" + args[args.index("-Q") + 1]) if "-Q" in args else \
-            "gateway" if "gunicorn" in joined else "flower" if "flower" in joined else \
-            "redis" if "redis-server" in joined else "sim-llm" if "sim_vllm" in joined else "sandbox" if "bwrap" in joined or "action_server" in joined \
-            else "up" if " up" in joined else Path(args[0]).name if args else str(pid)
+        name = (
+            ("worker-" + args[args.index("-Q") + 1])
+            if "-Q" in args
+            else "gateway"
+            if "gunicorn" in joined
+            else "flower"
+            if "flower" in joined
+            else "redis"
+            if "redis-server" in joined
+            else "sim-llm"
+            if "sim_vllm" in joined
+            else "sandbox"
+            if "bwrap" in joined or "action_server" in joined
+            else "up"
+            if " up" in joined
+            else Path(args[0]).name
+            if args
+            else str(pid)
+        )
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -110,19 +126,37 @@ class Stack:
         self.run_workers = run_workers
         self.init_workers = init_workers
         self.port = free_port()
-        self.env = {**os.environ, "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_PORT": str(self.port),
-                    "ROLLOUT_FLOWER_PORT": str(free_port()), **env}
+        self.env = {
+            **os.environ,
+            "ROLLOUT_STATE_DIR": str(state),
+            "ROLLOUT_PORT": str(self.port),
+            "ROLLOUT_FLOWER_PORT": str(free_port()),
+            **env,
+        }
         self.env.pop("ROLLOUT_REDIS_URL", None)
         self.env.pop("ROLLOUT_API_TOKEN", None)
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         log = open(self.state / "up.log", "wb")
         workers = ["--run-workers", str(self.run_workers)] if self.run_workers else []
-        self.process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference", *workers,
-                                         "--init-workers", str(self.init_workers)],
-                                        env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rollout_service.cli",
+                "up",
+                "--no-reference",
+                *workers,
+                "--init-workers",
+                str(self.init_workers),
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
         try:
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline:
@@ -148,12 +182,30 @@ class Stack:
 def start_sim(state: Path, tokenizer: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
     answer = "def f():\n    return 1\n" if args.domain == "code" else "4"
-    tool = ["--tool", "bash", "--tool-args", json.dumps({"command": "echo hi"}),
-            "--finish-answer", answer] if args.sandbox else []
+    tool = (
+        ["--tool", "bash", "--tool-args", json.dumps({"command": "echo hi"}), "--finish-answer", answer]
+        if args.sandbox
+        else []
+    )
     process = subprocess.Popen(
-        [sys.executable, str(ROOT / "bench" / "sim_vllm.py"), "--tokenizer", str(tokenizer), "--port", str(port),
-         "--delay-s", str(args.delay_s), "--turns", str(args.turns), "--filler-tokens", str(args.filler_tokens),
-         *tool], stdout=open(state / "sim.log", "wb"), stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "sim_vllm.py"),
+            "--tokenizer",
+            str(tokenizer),
+            "--port",
+            str(port),
+            "--delay-s",
+            str(args.delay_s),
+            "--turns",
+            str(args.turns),
+            "--filler-tokens",
+            str(args.filler_tokens),
+            *tool,
+        ],
+        stdout=open(state / "sim.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -166,18 +218,23 @@ def start_sim(state: Path, tokenizer: Path, args: argparse.Namespace) -> tuple[s
 
 def job_body(args: argparse.Namespace, number: int) -> dict[str, Any]:
     if args.domain == "code":
-        task = {"domain": "code", "text": f"scale #{number}: write f() returning 1",
-                "test_list": ["assert f() == 1"]}
+        task = {"domain": "code", "text": f"scale #{number}: write f() returning 1", "test_list": ["assert f() == 1"]}
         tools = ["bash", "finish"]
     else:
         task = {"domain": "math", "problem": f"scale #{number}: what is 2+2?", "answer": "4"}
         tools = ["bash", "finish"] if args.sandbox else ["finish"]
     sampling = {"max_new_tokens": args.filler_tokens + 64} if args.filler_tokens else {}
-    return {"task": task, "agent": {"tools": tools, "max_turns": args.turns + 1}, "sampling": sampling,
-            "timeouts": {"job_s": 600}}
+    return {
+        "task": task,
+        "agent": {"tools": tools, "max_turns": args.turns + 1},
+        "sampling": sampling,
+        "timeouts": {"job_s": 600},
+    }
 
 
-def start_profilers(tree: list[int], out: Path, seconds: int = 10, only: str = "", rate_hz: int = 100) -> list[subprocess.Popen]:
+def start_profilers(
+    tree: list[int], out: Path, seconds: int = 10, only: str = "", rate_hz: int = 100
+) -> list[subprocess.Popen]:
     """py-spy on every Celery worker and the gateway while the rollouts run (raw stacks per process)."""
     out.mkdir(parents=True, exist_ok=True)
     profilers = []
@@ -195,10 +252,29 @@ def start_profilers(tree: list[int], out: Path, seconds: int = 10, only: str = "
             continue
         if only and not any(name.startswith(f"worker-{queue}-") or name.startswith(queue) for queue in only.split(",")):
             continue
-        profilers.append(subprocess.Popen(
-            ["py-spy", "record", "-p", str(pid), "-d", str(seconds), "-r", str(rate_hz), "-f", "raw", "--nonblocking", "--subprocesses",
-             "-o", str(out / f"{name}.raw")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}))
+        profilers.append(
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(seconds),
+                    "-r",
+                    str(rate_hz),
+                    "-f",
+                    "raw",
+                    "--nonblocking",
+                    "--subprocesses",
+                    "-o",
+                    str(out / f"{name}.raw"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"},
+            )
+        )
     return profilers
 
 
@@ -208,8 +284,11 @@ def submit_all(client: RolloutClient, bodies: list[dict[str, Any]]) -> list[str]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(16) as pool:
-        return [j for r in pool.map(lambda b: client.submit(b["task"], **{k: v for k, v in b.items() if k != "task"}),
-                                    bodies) for j in r.job_ids]
+        return [
+            j
+            for r in pool.map(lambda b: client.submit(b["task"], **{k: v for k, v in b.items() if k != "task"}), bodies)
+            for j in r.job_ids
+        ]
 
 
 def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, Any]:
@@ -227,10 +306,19 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
         return dict(zip(job_ids, pool.map(one, job_ids)))
 
 
-TIMELINE_FIELDS = ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end", "finished_at")
+TIMELINE_FIELDS = (
+    "created_at",
+    "init_start",
+    "init_end",
+    "run_start",
+    "run_end",
+    "eval_start",
+    "eval_end",
+    "finished_at",
+)
 
 
-def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[Optional[bytes]]]:
+def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[bytes | None]]:
     """Each job's record fields ``names`` straight from the service's Redis (HMGET per job, one pipeline)."""
     import redis
 
@@ -245,8 +333,15 @@ def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[Opti
     return replies
 
 
-def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], started_at: float, path: Path,
-                   views: dict[str, Any], trajectories: dict[str, Any], seen: dict[str, float]) -> None:
+def write_timeline(
+    job_ids: list[str],
+    stamps: list[list[bytes | None]],
+    started_at: float,
+    path: Path,
+    views: dict[str, Any],
+    trajectories: dict[str, Any],
+    seen: dict[str, float],
+) -> None:
     """Each job's stage timestamps (``stamps``: its TIMELINE_FIELDS), in seconds since the submission
     began, its timings and the latency of each of its turns (one JSON line per job, after a first
     line with the start time)."""
@@ -254,13 +349,23 @@ def write_timeline(job_ids: list[str], stamps: list[list[Optional[bytes]]], star
         out.write(json.dumps({"started_at": started_at}) + "\n")
         for job_id, values in zip(job_ids, stamps):
             view, trajectory = views.get(job_id), trajectories.get(job_id)
-            out.write(json.dumps({
-                "job_id": job_id, **{name: None if v is None else round(float(v) - started_at, 4)
-                                     for name, v in zip(TIMELINE_FIELDS, values)},
-                "seen": round(seen[job_id] - started_at, 4) if job_id in seen else None,
-                "timings": view.timings.model_dump(mode="json") if view is not None else None,
-                "turns": [(t.kind, round(t.latency_s, 4)) for t in trajectory.turns] if trajectory is not None else None,
-            }) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "job_id": job_id,
+                        **{
+                            name: None if v is None else round(float(v) - started_at, 4)
+                            for name, v in zip(TIMELINE_FIELDS, values)
+                        },
+                        "seen": round(seen[job_id] - started_at, 4) if job_id in seen else None,
+                        "timings": view.timings.model_dump(mode="json") if view is not None else None,
+                        "turns": [(t.kind, round(t.latency_s, 4)) for t in trajectory.turns]
+                        if trajectory is not None
+                        else None,
+                    }
+                )
+                + "\n"
+            )
 
 
 def command_stats(url: str) -> dict[str, tuple[int, int]]:
@@ -274,8 +379,11 @@ def command_stats(url: str) -> dict[str, tuple[int, int]]:
     finally:
         client.close()
     used_s = cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]
-    return {**{name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()},
-            "cpu": (0, int(used_s * 1e6)), "reads": (int(counts["total_reads_processed"]), 0)}
+    return {
+        **{name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()},
+        "cpu": (0, int(used_s * 1e6)),
+        "reads": (int(counts["total_reads_processed"]), 0),
+    }
 
 
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
@@ -286,20 +394,24 @@ def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
     command it runs), µs of the server's CPU (its main thread: commands, scripts, client I/O,
     housekeeping), and every command by its commandstats µs (a script's µs include those of
     the commands it runs, which are also counted under their own names)."""
-    delta = {name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
-             for name, (calls, usec) in after.items()}
+    delta = {
+        name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
+        for name, (calls, usec) in after.items()
+    }
     cpu_usec, reads = delta.pop("cpu")[1], delta.pop("reads")[0]
     delta = {name: d for name, d in delta.items() if d[0] > 0 and name != "info"}
     top = sorted(delta.items(), key=lambda item: -item[1][1])
-    return {"commands_per_turn": round(sum(c for c, _ in delta.values()) / turns, 2),
-            "usec_per_turn": round(cpu_usec / turns, 2),
-            "commandstats_usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
-            "round_trips_per_turn": round(reads / turns, 2),
-            "script_calls_per_turn": round(sum(delta.get(name, (0, 0))[0] for name in SCRIPT_COMMANDS) / turns, 2),
-            "top": {name: {"calls": c, "usec": u} for name, (c, u) in top}}
+    return {
+        "commands_per_turn": round(sum(c for c, _ in delta.values()) / turns, 2),
+        "usec_per_turn": round(cpu_usec / turns, 2),
+        "commandstats_usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
+        "round_trips_per_turn": round(reads / turns, 2),
+        "script_calls_per_turn": round(sum(delta.get(name, (0, 0))[0] for name in SCRIPT_COMMANDS) / turns, 2),
+        "top": {name: {"calls": c, "usec": u} for name, (c, u) in top},
+    }
 
 
-def redis_urls(stack: "Stack") -> dict[str, str]:
+def redis_urls(stack: Stack) -> dict[str, str]:
     """The instances the service uses: ``state``, and ``broker`` when it has its own."""
     urls = {"state": (stack.state / "redis.url").read_text().strip()}
     if stack.env.get("ROLLOUT_BROKER_URL"):
@@ -321,7 +433,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             env["ROLLOUT_BROKER_URL"] = broker.url
         try:
             (state / "service").mkdir()
-            with Stack(state / "service", env, args.run_workers, args.init_workers) as stack, RolloutClient(stack.url, timeout_s=300) as client:
+            with (
+                Stack(state / "service", env, args.run_workers, args.init_workers) as stack,
+                RolloutClient(stack.url, timeout_s=300) as client,
+            ):
                 client.add_backend(sim_url, "vllm", "sim", tokenizer=str(tokenizer))
                 warm = submit_all(client, [job_body(args, -i) for i in range(4)])
                 client.wait(warm, timeout_s=120)
@@ -336,8 +451,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {**rounds[0], "later_rounds": rounds[1:]}
 
 
-def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient, sim: subprocess.Popen,
-                  sim_url: str, round_number: int) -> dict[str, Any]:
+def measure_round(
+    args: argparse.Namespace,
+    stack: Stack,
+    client: RolloutClient,
+    sim: subprocess.Popen,
+    sim_url: str,
+    round_number: int,
+) -> dict[str, Any]:
     """Submit ``args.rollouts`` jobs at once, wait for all of them and summarize (one trainer step)."""
     tree = process_tree(stack.process.pid)
     base_rss = rss_mb(tree)
@@ -347,7 +468,11 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     httpx.get(f"{sim_url}/lateness")  # forget the warm-up's calls
     started, started_at = time.monotonic(), time.time()
     profile = args.profile and round_number == args.rounds - 1
-    profilers = start_profilers(tree, Path(args.profile), args.profile_s, args.profile_only, args.profile_rate_hz) if profile else []
+    profilers = (
+        start_profilers(tree, Path(args.profile), args.profile_s, args.profile_only, args.profile_rate_hz)
+        if profile
+        else []
+    )
     job_ids = submit_all(client, bodies)
     submitted_s = time.monotonic() - started
     peak = base_rss
@@ -371,8 +496,10 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     wall_s = time.monotonic() - started
     sim_late_ms = httpx.get(f"{sim_url}/lateness").json()
     cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
-    redis_per_turn = {name: redis_cost(stats_before[name], command_stats(url), args.rollouts * args.turns)
-                      for name, url in redis_urls(stack).items()}
+    redis_per_turn = {
+        name: redis_cost(stats_before[name], command_stats(url), args.rollouts * args.turns)
+        for name, url in redis_urls(stack).items()
+    }
     for profiler in profilers:
         profiler.wait()
     views = [done.get(j) or client.get(j) for j in job_ids]
@@ -386,8 +513,11 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
     run_started = [float(values[run_at]) - started_at for values in stamps if values[run_at] is not None]
     # from a job's last stamp (its eval's end) to the trainer's wait returning it
     eval_at = TIMELINE_FIELDS.index("eval_end")
-    seen_after = [seen[job_id] - float(values[eval_at]) for job_id, values in zip(job_ids, stamps)
-                  if values[eval_at] is not None and job_id in seen]
+    seen_after = [
+        seen[job_id] - float(values[eval_at])
+        for job_id, values in zip(job_ids, stamps)
+        if values[eval_at] is not None and job_id in seen
+    ]
     if args.timeline:
         path = Path(args.timeline)
         if round_number:
@@ -407,7 +537,9 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         calls = [t for t in trajectory.turns if t.kind == "generation"]
         tool_s = sum(t.latency_s for t in trajectory.turns if t.kind == "observation")
         # the sandbox boots during the first LLM call; the first tool call's latency has the wait in it
-        boot_s = 0.0 if getattr(view.timings, "sandbox_wait_s", None) is not None else view.timings.sandbox_boot_s or 0.0
+        boot_s = (
+            0.0 if getattr(view.timings, "sandbox_wait_s", None) is not None else view.timings.sandbox_boot_s or 0.0
+        )
         overheads.append((view.timings.run_s - boot_s - tool_s) / len(calls) - args.delay_s)
         call_excess.extend(t.latency_s - args.delay_s for t in calls[1:])
         first_excess.extend(t.latency_s - args.delay_s for t in calls[:1])
@@ -417,62 +549,98 @@ def measure_round(args: argparse.Namespace, stack: Stack, client: RolloutClient,
         tokens.append(len(trajectory.prompt_ids) + len(trajectory.response_ids))
     ideal_s = args.turns * args.delay_s
     return {
-        "rollouts": args.rollouts, "turns": args.turns, "delay_s": args.delay_s, "sandbox": args.sandbox,
+        "rollouts": args.rollouts,
+        "turns": args.turns,
+        "delay_s": args.delay_s,
+        "sandbox": args.sandbox,
         "domain": args.domain,
-        "statuses": statuses, "errors": errors, "failures": args.rollouts - statuses.get("completed", 0),
-        "submit_s": round(submitted_s, 3), "wall_s": round(wall_s, 3), "ideal_s": ideal_s,
+        "statuses": statuses,
+        "errors": errors,
+        "failures": args.rollouts - statuses.get("completed", 0),
+        "submit_s": round(submitted_s, 3),
+        "wall_s": round(wall_s, 3),
+        "ideal_s": ideal_s,
         "efficiency": round(ideal_s / wall_s, 3) if ideal_s else None,
-        "overhead_per_turn_ms": {"p50": round(pct(overheads, 0.5) * 1000, 2),
-                                 "p99": round(pct(overheads, 0.99) * 1000, 2)},
+        "overhead_per_turn_ms": {
+            "p50": round(pct(overheads, 0.5) * 1000, 2),
+            "p99": round(pct(overheads, 0.99) * 1000, 2),
+        },
         "llm_call_excess_ms": {  # an LLM call as the run worker timed it, minus the server's delay
             "first_p50": round(pct(first_excess, 0.5) * 1000, 2),
-            "later_p50": round(pct(call_excess, 0.5) * 1000, 2), "later_p99": round(pct(call_excess, 0.99) * 1000, 2)},
+            "later_p50": round(pct(call_excess, 0.5) * 1000, 2),
+            "later_p99": round(pct(call_excess, 0.99) * 1000, 2),
+        },
         "sim_late_ms": sim_late_ms,  # of that, the simulated server's own lateness in answering
         "queued_s": {"p50": round(pct(queued, 0.5), 3), "max": round(max(queued, default=float("nan")), 3)},
-        "seen_after_end_s": {"p50": round(pct(seen_after, 0.5), 3), "max": round(max(seen_after, default=float("nan")), 3)},
-        "episode_start_s": {"p50": round(pct(run_started, 0.5), 3), "max": round(max(run_started, default=float("nan")), 3)},
-        "wait_before_s": {stage: {"p50": round(pct(w, 0.5), 3), "max": round(max(w, default=float("nan")), 3)}
-                          for stage in ("init", "run", "eval")
-                          for w in [[v.timings.waits_s.get(stage, 0.0) for v in views if v.timings.waits_s]]},
-        "stage_p50_s": {s: round(pct([getattr(v.timings, f"{s}_s") or 0.0 for v in views], 0.5), 4)
-                        for s in ("init", "run", "eval")},
-        "trajectory_fetch_s": round(fetch_s, 3), "tokens_per_trajectory_p50": pct(tokens, 0.5),
+        "seen_after_end_s": {
+            "p50": round(pct(seen_after, 0.5), 3),
+            "max": round(max(seen_after, default=float("nan")), 3),
+        },
+        "episode_start_s": {
+            "p50": round(pct(run_started, 0.5), 3),
+            "max": round(max(run_started, default=float("nan")), 3),
+        },
+        "wait_before_s": {
+            stage: {"p50": round(pct(w, 0.5), 3), "max": round(max(w, default=float("nan")), 3)}
+            for stage in ("init", "run", "eval")
+            for w in [[v.timings.waits_s.get(stage, 0.0) for v in views if v.timings.waits_s]]
+        },
+        "stage_p50_s": {
+            s: round(pct([getattr(v.timings, f"{s}_s") or 0.0 for v in views], 0.5), 4) for s in ("init", "run", "eval")
+        },
+        "trajectory_fetch_s": round(fetch_s, 3),
+        "tokens_per_trajectory_p50": pct(tokens, 0.5),
         "machine_busy_cpu_s": round(busy_s, 2),
         "cpu_s": {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in sorted(cpu_after)},
-        "peak_rss_mb": round(peak, 1), "rss_per_rollout_mb": round((peak - base_rss) / args.rollouts, 3),
+        "peak_rss_mb": round(peak, 1),
+        "rss_per_rollout_mb": round((peak - base_rss) / args.rollouts, 3),
         "redis_per_turn": redis_per_turn,  # per instance: commands and µs of Redis CPU (INFO commandstats)
     }
 
 
 def report(r: dict[str, Any], round_number: int) -> None:
-    print(f"{'' if round_number == 1 else f'round {round_number}: '}{r['rollouts']} rollouts x {r['turns']} turns, {r['delay_s']} s per LLM call"
-          f"{', bwrap + bash' if r['sandbox'] else ''}{', code graded in a sandbox' if r['domain'] == 'code' else ''}"
-          f": {r['statuses']}")
+    print(
+        f"{'' if round_number == 1 else f'round {round_number}: '}{r['rollouts']} rollouts x {r['turns']} turns, {r['delay_s']} s per LLM call"
+        f"{', bwrap + bash' if r['sandbox'] else ''}{', code graded in a sandbox' if r['domain'] == 'code' else ''}"
+        f": {r['statuses']}"
+    )
     for message, count in r["errors"].items():
         print(f"  {count} x error: {message}")
     print(f"  wall {r['wall_s']} s vs ideal {r['ideal_s']} s (efficiency {r['efficiency']}); submit {r['submit_s']} s")
     print(f"  overhead per turn p50 {r['overhead_per_turn_ms']['p50']} ms, p99 {r['overhead_per_turn_ms']['p99']} ms")
     excess = r["llm_call_excess_ms"]
-    print(f"  LLM call beyond the server's delay: first call p50 {excess['first_p50']} ms, later calls "
-          f"p50 {excess['later_p50']} ms, p99 {excess['later_p99']} ms; of which the simulated server "
-          f"answered late p50 {r['sim_late_ms'].get('p50')} ms, p99 {r['sim_late_ms'].get('p99')} ms")
-    print(f"  episodes began (submit to run start) p50 {r['episode_start_s']['p50']} s, "
-          f"max {r['episode_start_s']['max']} s")
-    print(f"  the trainer's wait returned a job after its end p50 {r['seen_after_end_s']['p50']} s, "
-          f"max {r['seen_after_end_s']['max']} s")
-    print(f"  queued (submit to init start) p50 {r['queued_s']['p50']} s, max {r['queued_s']['max']} s; "
-          f"stage p50 {r['stage_p50_s']}")
+    print(
+        f"  LLM call beyond the server's delay: first call p50 {excess['first_p50']} ms, later calls "
+        f"p50 {excess['later_p50']} ms, p99 {excess['later_p99']} ms; of which the simulated server "
+        f"answered late p50 {r['sim_late_ms'].get('p50')} ms, p99 {r['sim_late_ms'].get('p99')} ms"
+    )
+    print(
+        f"  episodes began (submit to run start) p50 {r['episode_start_s']['p50']} s, "
+        f"max {r['episode_start_s']['max']} s"
+    )
+    print(
+        f"  the trainer's wait returned a job after its end p50 {r['seen_after_end_s']['p50']} s, "
+        f"max {r['seen_after_end_s']['max']} s"
+    )
+    print(
+        f"  queued (submit to init start) p50 {r['queued_s']['p50']} s, max {r['queued_s']['max']} s; "
+        f"stage p50 {r['stage_p50_s']}"
+    )
     print(f"  wait before each stage: {r['wait_before_s']}")
-    print(f"  fetch {r['rollouts']} trajectories ({r['tokens_per_trajectory_p50']} tokens each): "
-          f"{r['trajectory_fetch_s']} s")
+    print(
+        f"  fetch {r['rollouts']} trajectories ({r['tokens_per_trajectory_p50']} tokens each): "
+        f"{r['trajectory_fetch_s']} s"
+    )
     print(f"  CPU seconds during the run: {r['cpu_s']}; whole machine {r['machine_busy_cpu_s']}")
     print(f"  peak RSS {r['peak_rss_mb']} MB, {r['rss_per_rollout_mb']} MB per in-flight rollout")
     for name, cost in r["redis_per_turn"].items():
         top = ", ".join(f"{c} {v['calls']}" for c, v in list(cost["top"].items())[:8])
-        print(f"  Redis ({name}): {cost['commands_per_turn']} commands ({cost['script_calls_per_turn']} script calls, "
-              f"{cost['round_trips_per_turn']} round trips) "
-              f"and {cost['usec_per_turn']} µs of its CPU per turn ({cost['commandstats_usec_per_turn']} µs summed "
-              f"over commandstats; top: {top})")
+        print(
+            f"  Redis ({name}): {cost['commands_per_turn']} commands ({cost['script_calls_per_turn']} script calls, "
+            f"{cost['round_trips_per_turn']} round trips) "
+            f"and {cost['usec_per_turn']} µs of its CPU per turn ({cost['commandstats_usec_per_turn']} µs summed "
+            f"over commandstats; top: {top})"
+        )
 
 
 def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
@@ -483,9 +651,9 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
     import gevent
     import redis
 
-    from rollout_service.state.metrics_recording import Increments
     from rollout_service.schemas import JobRequest, JobStatus
     from rollout_service.settings import get_settings
+    from rollout_service.state.metrics_recording import Increments
     from rollout_service.state.store import JobStore, Packed, StageEnd, pack, redis_client
 
     with tempfile.TemporaryDirectory(prefix="bench-redis-steps-") as tmp:
@@ -499,18 +667,33 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
             store = JobStore(redis_client())
             pool = BackendPool(store.redis)
             pool._register(args=[pool.prefix, "be-steps", "http://127.0.0.1:9", "vllm", "sim", "tok", 1])
-            request = JobRequest.model_validate({"task": {"domain": "math", "problem": "2 + 2?", "answer": "4"},
-                                                 "agent": {"tools": ["finish"]}, "timeouts": {"job_s": 600}})
-            trajectory = Packed(pack({"prompt_ids": list(range(100)), "response_ids": list(range(400)),
-                                      "logprobs": [-0.5] * 400, "loss_mask": [1] * 400}))
+            request = JobRequest.model_validate(
+                {
+                    "task": {"domain": "math", "problem": "2 + 2?", "answer": "4"},
+                    "agent": {"tools": ["finish"]},
+                    "timeouts": {"job_s": 600},
+                }
+            )
+            trajectory = Packed(
+                pack(
+                    {
+                        "prompt_ids": list(range(100)),
+                        "response_ids": list(range(400)),
+                        "logprobs": [-0.5] * 400,
+                        "loss_mask": [1] * 400,
+                    }
+                )
+            )
             job_ids: list[str] = []
             firsts: dict[str, Any] = {}
 
             def sample() -> tuple[float, int, int]:
                 cpu, stats, counts = admin.info("cpu"), admin.info("commandstats"), admin.info("stats")
-                return ((cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1e6,
-                        sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
-                        int(counts["total_reads_processed"]))
+                return (
+                    (cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1e6,
+                    sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
+                    int(counts["total_reads_processed"]),
+                )
 
             def each(step: Any) -> None:
                 gevent.joinall([gevent.spawn(step, job_id) for job_id in job_ids], raise_error=True)
@@ -522,9 +705,16 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
 
             def begin(job_id: str) -> None:
                 answers: list[Any] = []
-                store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running, f"steps:{job_id}",
-                                   ("request", "prepared"), (JobStatus.queued, "init_start"),
-                                   {job_id: pool.first_call_with_begin(job_id, answers)})
+                store.begin_stages(
+                    [job_id],
+                    "run",
+                    JobStatus.initializing,
+                    JobStatus.running,
+                    f"steps:{job_id}",
+                    ("request", "prepared"),
+                    (JobStatus.queued, "init_start"),
+                    {job_id: pool.first_call_with_begin(job_id, answers)},
+                )
                 firsts[job_id] = answers[0]
 
             def first_call_end(job_id: str) -> None:
@@ -545,10 +735,18 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
 
             def end(job_id: str) -> None:
                 now = time.time()
-                store.end_stages([StageEnd(job_id, f"steps:{job_id}", fields={"run_end": now, "finish_reason": "finished"},
-                                           blobs={"trajectory": trajectory, "result": {"artifact": {"answer": "4"}}},
-                                           finish=(JobStatus.completed, {"reward": 1.0, "eval_start": now, "eval_end": now}))],
-                                 finished)
+                store.end_stages(
+                    [
+                        StageEnd(
+                            job_id,
+                            f"steps:{job_id}",
+                            fields={"run_end": now, "finish_reason": "finished"},
+                            blobs={"trajectory": trajectory, "result": {"artifact": {"answer": "4"}}},
+                            finish=(JobStatus.completed, {"reward": 1.0, "eval_start": now, "eval_end": now}),
+                        )
+                    ],
+                    finished,
+                )
 
             def end_all() -> None:
                 each(end)
@@ -558,25 +756,37 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
             def wait() -> None:
                 plain = JobStore(redis.Redis.from_url(server.url))
                 for start in range(0, rollouts, 100):
-                    chunk = job_ids[start:start + 100]
+                    chunk = job_ids[start : start + 100]
                     plain.missing_and_ended(chunk)
                     plain.views(chunk)
 
             steps: dict[str, Any] = {}
-            for name, run_step in (("submit", submit), ("run stage begin with the first call", lambda: each(begin)),
-                                   ("first call end", lambda: each(first_call_end)),
-                                   (f"{turns - 1} later calls", lambda: each(later_calls)),
-                                   ("backend release", release), ("stage end and its metrics", end_all),
-                                   ("trainer's wait", wait)):
+            for name, run_step in (
+                ("submit", submit),
+                ("run stage begin with the first call", lambda: each(begin)),
+                ("first call end", lambda: each(first_call_end)),
+                (f"{turns - 1} later calls", lambda: each(later_calls)),
+                ("backend release", release),
+                ("stage end and its metrics", end_all),
+                ("trainer's wait", wait),
+            ):
                 before = sample()
                 run_step()
                 after = sample()
-                steps[name] = {"usec_per_job": round((after[0] - before[0]) / rollouts, 1),
-                               "commands_per_job": round((after[1] - before[1]) / rollouts, 1),
-                               "round_trips": after[2] - before[2]}
+                steps[name] = {
+                    "usec_per_job": round((after[0] - before[0]) / rollouts, 1),
+                    "commands_per_job": round((after[1] - before[1]) / rollouts, 1),
+                    "round_trips": after[2] - before[2],
+                }
             total = sum(step["usec_per_job"] for step in steps.values())
-            return {"bench": "redis_steps", "rollouts": rollouts, "turns": turns, "steps": steps,
-                    "usec_per_job": round(total, 1), "usec_per_turn": round(total / turns, 1)}
+            return {
+                "bench": "redis_steps",
+                "rollouts": rollouts,
+                "turns": turns,
+                "steps": steps,
+                "usec_per_job": round(total, 1),
+                "usec_per_turn": round(total / turns, 1),
+            }
         finally:
             server.stop()
 
@@ -587,32 +797,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--delay-s", type=float, default=1.0)
     parser.add_argument("--sandbox", action="store_true", help="bwrap sandbox + a bash command per turn")
-    parser.add_argument("--domain", choices=("math", "code"), default="math",
-                        help="with --sandbox: math (scored by the run worker) or code (a hidden test run in a "
-                             "fresh grading sandbox by eval)")
+    parser.add_argument(
+        "--domain",
+        choices=("math", "code"),
+        default="math",
+        help="with --sandbox: math (scored by the run worker) or code (a hidden test run in a "
+        "fresh grading sandbox by eval)",
+    )
     parser.add_argument("--filler-tokens", type=int, default=0, help="tokens before each tool call")
     parser.add_argument("--run-concurrency", type=int, default=0, help="per run worker; default: --rollouts")
     parser.add_argument("--init-workers", type=int, default=1, help="init worker processes")
-    parser.add_argument("--run-workers", type=int, default=0,
-                        help="run worker processes (rollout-service up --run-workers); default: up's own")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="submit the rollouts this many times in turn, as a trainer's steps do; "
-                             "the first round is reported, later ones under later_rounds")
+    parser.add_argument(
+        "--run-workers",
+        type=int,
+        default=0,
+        help="run worker processes (rollout-service up --run-workers); default: up's own",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="submit the rollouts this many times in turn, as a trainer's steps do; "
+        "the first round is reported, later ones under later_rounds",
+    )
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--env", action="append", default=[], help="extra ROLLOUT_X=Y for the service")
     parser.add_argument("--profile", default="", help="py-spy every worker for 10 s under load; raw stacks here")
     parser.add_argument("--profile-s", type=int, default=10, help="with --profile: seconds to record from submission")
-    parser.add_argument("--profile-rate-hz", type=int, default=100,
-                        help="with --profile: samples per second (py-spy shows greenlets' stacks unreliably; "
-                             "1000 Hz slows the workers visibly)")
-    parser.add_argument("--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated")
+    parser.add_argument(
+        "--profile-rate-hz",
+        type=int,
+        default=100,
+        help="with --profile: samples per second (py-spy shows greenlets' stacks unreliably; "
+        "1000 Hz slows the workers visibly)",
+    )
+    parser.add_argument(
+        "--profile-only", default="", help="with --profile: only these queues (and/or 'gateway'), comma-separated"
+    )
     parser.add_argument("--state-dir", default="", help="keep the service's state and logs here")
     parser.add_argument("--timeline", default="", help="write each job's stage timestamps here (JSON lines)")
-    parser.add_argument("--broker-redis", action="store_true",
-                        help="Celery's queues on a Redis of their own (ROLLOUT_BROKER_URL)")
-    parser.add_argument("--redis-steps", action="store_true",
-                        help="no stack: each step of a job's life against a fresh Redis (the service's store and "
-                             "backend pool, --rollouts jobs together), µs of Redis CPU per step and job")
+    parser.add_argument(
+        "--broker-redis", action="store_true", help="Celery's queues on a Redis of their own (ROLLOUT_BROKER_URL)"
+    )
+    parser.add_argument(
+        "--redis-steps",
+        action="store_true",
+        help="no stack: each step of a job's life against a fresh Redis (the service's store and "
+        "backend pool, --rollouts jobs together), µs of Redis CPU per step and job",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.redis_steps:
@@ -622,10 +854,14 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.call([sys.executable, "-m", "gevent.monkey", __file__, *sys.argv[1:]])
         steps = redis_steps(args.rollouts, args.turns)
         for name, step in steps["steps"].items():
-            print(f"  {name}: {step['usec_per_job']} µs of Redis CPU, {step['commands_per_job']} commands per job "
-                  f"({step['round_trips']} round trips)")
-        print(f"{args.rollouts} jobs x {args.turns} turns: {steps['usec_per_job']} µs per job, "
-              f"{steps['usec_per_turn']} µs per turn")
+            print(
+                f"  {name}: {step['usec_per_job']} µs of Redis CPU, {step['commands_per_job']} commands per job "
+                f"({step['round_trips']} round trips)"
+            )
+        print(
+            f"{args.rollouts} jobs x {args.turns} turns: {steps['usec_per_job']} µs per job, "
+            f"{steps['usec_per_turn']} µs per turn"
+        )
         if args.json:
             print(json.dumps(steps))
         return 0

@@ -18,6 +18,7 @@ ordinary tokens before the tool call (long trajectories).
     python bench/sim_vllm.py --tokenizer DIR --port 8200 --delay-s 1.0 --turns 4 \
         [--tool bash --tool-args '{"command": "echo hi"}'] [--finish-answer '\\boxed{4}']
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def tool_call_text(name: str, arguments: dict) -> str:
 
 
 class Script:
-    def __init__(self, tokenizer_dir: str, turns: int, tool: str, tool_args: dict, finish_answer: str,
-                 filler_tokens: int) -> None:
+    def __init__(
+        self, tokenizer_dir: str, turns: int, tool: str, tool_args: dict, finish_answer: str, filler_tokens: int
+    ) -> None:
         tok = load_tokenizer(tokenizer_dir)
         end_id = tok.convert_tokens_to_ids("<|im_end|>")
         filler = tok.encode(" a", add_special_tokens=False) * filler_tokens if filler_tokens else []
@@ -56,13 +58,23 @@ class Script:
 
     @staticmethod
     def _body(ids: list[int]) -> bytes:
-        return json.dumps({
-            "id": "cmpl-sim", "object": "text_completion", "model": "sim",
-            "choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "stop",
-                         "logprobs": {"tokens": [f"token_id:{i}" for i in ids],
-                                      "token_logprobs": [-0.5] * len(ids)}}],
-            "usage": {"completion_tokens": len(ids)},
-        }).encode()
+        return json.dumps(
+            {
+                "id": "cmpl-sim",
+                "object": "text_completion",
+                "model": "sim",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "token_ids": ids,
+                        "finish_reason": "stop",
+                        "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [-0.5] * len(ids)},
+                    }
+                ],
+                "usage": {"completion_tokens": len(ids)},
+            }
+        ).encode()
 
     def answer(self, prompt_ids: list[int]) -> bytes:
         completed = array("i", prompt_ids).tobytes().count(self.marker) - 1
@@ -148,8 +160,11 @@ async def serve(script: Script, host: str, port: int, delay_s: float) -> None:
                     alarm.lateness_s = []
                 else:
                     payload, status = b'{"error": {"message": "not found"}}', "404 Not Found"
-                writer.write(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
-                             f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                writer.write(
+                    f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                    + payload
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -174,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--finish-answer", default="\\boxed{4}")
     parser.add_argument("--filler-tokens", type=int, default=0)
     args = parser.parse_args(argv)
-    script = Script(args.tokenizer, args.turns, args.tool, json.loads(args.tool_args), args.finish_answer,
-                    args.filler_tokens)
+    script = Script(
+        args.tokenizer, args.turns, args.tool, json.loads(args.tool_args), args.finish_answer, args.filler_tokens
+    )
     try:  # libuv's event loop: the simulated server shares the machine with the service it measures
         import uvloop
     except ImportError:

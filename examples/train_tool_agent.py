@@ -34,6 +34,7 @@ The plain-PyTorch loop rather than TRL's GRPOTrainer: TRL's ``rollout_func`` mus
 completion for every prompt it sampled, so the service's DAPO filter (drop uniform groups, refill
 from the task list) cannot feed it; ``rollout_service.sdk.trl`` is the TRL path without it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,16 +47,17 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_grpo import grpo_step, load_policy, push_weights  # noqa: E402
 
-from rollout_service.sdk.client import RolloutClient  # noqa: E402
 from rollout_service.schemas import Trajectory  # noqa: E402
+from rollout_service.sdk.client import RolloutClient  # noqa: E402
 
 SYSTEM_PROMPT = "You are a helpful assistant with a Python tool."
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
@@ -66,8 +68,10 @@ TOOLS = ["ipython", "finish"]
 
 def multiplication_problem(a: int, b: int) -> str:
     call = json.dumps({"name": "ipython", "arguments": {"code": f"print({a} * {b})"}})
-    return (f"What is {a} * {b}? Compute it with the ipython tool: reply with exactly\n"
-            f"<tool_call>\n{call}\n</tool_call>\nthen call finish with its result.")
+    return (
+        f"What is {a} * {b}? Compute it with the ipython tool: reply with exactly\n"
+        f"<tool_call>\n{call}\n</tool_call>\nthen call finish with its result."
+    )
 
 
 def multiplication_tasks(n: int, rng: random.Random, exclude: frozenset = frozenset()) -> list[dict[str, Any]]:
@@ -90,7 +94,9 @@ def warmup_episode(renderer: Any, a: int, b: int) -> tuple[list[int], list[int]]
     calls = HermesParser()
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": multiplication_problem(a, b)}]
     prompt = renderer.initial_prompt(messages, tool_schemas(TOOLS))
-    first = renderer.encode(calls.format_call(ToolCall("ipython", {"code": f"print({a} * {b})"}))) + [renderer.end_of_turn_id]
+    first = renderer.encode(calls.format_call(ToolCall("ipython", {"code": f"print({a} * {b})"}))) + [
+        renderer.end_of_turn_id
+    ]
     observation = renderer.observation_delta([{"role": "tool", "name": "ipython", "content": str(a * b)}], first)
     second = renderer.encode(calls.format_call(ToolCall("finish", {"answer": str(a * b)}))) + [renderer.end_of_turn_id]
     ids = prompt + first + observation + second
@@ -98,7 +104,9 @@ def warmup_episode(renderer: Any, a: int, b: int) -> tuple[list[int], list[int]]
     return ids, mask
 
 
-def warmup(model: Any, renderer: Any, rng: random.Random, exclude: frozenset, args: argparse.Namespace) -> list[dict[str, Any]]:
+def warmup(
+    model: Any, renderer: Any, rng: random.Random, exclude: frozenset, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """Cross-entropy on rendered correct episodes until a batch's mean episode probability (the
     product of its calls' token probabilities) reaches ``--warmup-until``, or ``--warmup-steps``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
@@ -115,9 +123,9 @@ def warmup(model: Any, renderer: Any, rng: random.Random, exclude: frozenset, ar
         ids = torch.zeros((len(episodes), width), dtype=torch.long)
         attention, mask = torch.zeros_like(ids), torch.zeros((len(episodes), width))
         for i, (sequence, target) in enumerate(episodes):
-            ids[i, :len(sequence)] = torch.tensor(sequence)
-            attention[i, :len(sequence)] = 1
-            mask[i, :len(target)] = torch.tensor(target, dtype=torch.float32)
+            ids[i, : len(sequence)] = torch.tensor(sequence)
+            attention[i, : len(sequence)] = 1
+            mask[i, : len(target)] = torch.tensor(target, dtype=torch.float32)
         logits = model(input_ids=ids, attention_mask=attention).logits.float()
         token_logprobs = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0] * mask[:, 1:]
         episode_probability = float(token_logprobs.detach().sum(-1).exp().mean())
@@ -151,15 +159,19 @@ def evaluate(client: RolloutClient, tasks: list[dict[str, Any]], fields: dict[st
     views = client.wait(ids, timeout_s=1800)
     trajectories = client.trajectories(ids)
     episodes = [trajectories[i] for i in ids if i in trajectories]
-    return {"eval_reward": statistics.fmean(v.reward or 0.0 for v in views),
-            "eval_tool_fraction": statistics.fmean(called_a_tool(t) for t in episodes) if episodes else 0.0,
-            "eval_generations": statistics.fmean(sum(turn.kind == "generation" for turn in t.turns)
-                                                 for t in episodes) if episodes else 0.0}
+    return {
+        "eval_reward": statistics.fmean(v.reward or 0.0 for v in views),
+        "eval_tool_fraction": statistics.fmean(called_a_tool(t) for t in episodes) if episodes else 0.0,
+        "eval_generations": statistics.fmean(sum(turn.kind == "generation" for turn in t.turns) for t in episodes)
+        if episodes
+        else 0.0,
+    }
 
 
 @contextlib.contextmanager
-def local_vllm_service(state: Path, model_dir: Path, model_name: str, kv_cache_gib: float,
-                       run_concurrency: int) -> Iterator[str]:
+def local_vllm_service(
+    state: Path, model_dir: Path, model_name: str, kv_cache_gib: float, run_concurrency: int
+) -> Iterator[str]:
     """A whole local service (redis, gateway, workers) and a vLLM engine serving ``model_dir``."""
     from rollout_service.devtools.engines import VLLMServer
     from rollout_service.devtools.local_service import local_service
@@ -190,12 +202,25 @@ def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
     trained = [h for h in history if "train_tool_fraction" in h]
     figure, axis = plt.subplots(figsize=(6.5, 3.8))
     axis.axvspan(-1, 0, color="0.9", label="supervised warm-up")
-    axis.plot([h["step"] for h in evaluated], [h["eval_reward"] for h in evaluated], marker="o",
-              label="held-out reward (1 episode per task)")
-    axis.plot([h["step"] for h in evaluated], [h["eval_tool_fraction"] for h in evaluated], marker="s",
-              label="held-out episodes calling a tool")
-    axis.plot([h["step"] for h in trained], [h["train_tool_fraction"] for h in trained], marker=".", alpha=0.5,
-              label="training episodes calling a tool (accepted groups)")
+    axis.plot(
+        [h["step"] for h in evaluated],
+        [h["eval_reward"] for h in evaluated],
+        marker="o",
+        label="held-out reward (1 episode per task)",
+    )
+    axis.plot(
+        [h["step"] for h in evaluated],
+        [h["eval_tool_fraction"] for h in evaluated],
+        marker="s",
+        label="held-out episodes calling a tool",
+    )
+    axis.plot(
+        [h["step"] for h in trained],
+        [h["train_tool_fraction"] for h in trained],
+        marker=".",
+        alpha=0.5,
+        label="training episodes calling a tool (accepted groups)",
+    )
     axis.set_xlabel("GRPO step (-1: before the warm-up)")
     axis.set_ylabel("fraction")
     axis.set_ylim(-0.02, 1.02)
@@ -214,8 +239,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1000, help="at most this many GRPO steps (see --minutes)")
     parser.add_argument("--minutes", type=float, default=45.0, help="stop training after this wall time")
     parser.add_argument("--warmup-steps", type=int, default=12, help="at most this many warm-up steps (0: none)")
-    parser.add_argument("--warmup-until", type=float, default=0.2,
-                        help="stop the warm-up once a batch's mean episode probability reaches this")
+    parser.add_argument(
+        "--warmup-until",
+        type=float,
+        default=0.2,
+        help="stop the warm-up once a batch's mean episode probability reaches this",
+    )
     parser.add_argument("--warmup-batch", type=int, default=4)
     parser.add_argument("--warmup-lr", type=float, default=2e-5)
     parser.add_argument("--group-size", type=int, default=4)
@@ -239,15 +268,20 @@ def main(argv: list[str] | None = None) -> None:
     began = time.monotonic()
     model_dir, model = load_policy(args)
     rng = random.Random(args.seed)
-    fields = {"sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens, "model": args.model_name},
-              "agent": {"max_turns": args.max_turns, "tools": TOOLS, "system_prompt": SYSTEM_PROMPT},
-              "timeouts": {"job_s": 900}}
+    fields = {
+        "sampling": {**SAMPLING, "max_new_tokens": args.max_new_tokens, "model": args.model_name},
+        "agent": {"max_turns": args.max_turns, "tools": TOOLS, "system_prompt": SYSTEM_PROMPT},
+        "timeouts": {"job_s": 900},
+    }
     eval_tasks = multiplication_tasks(args.eval_tasks, random.Random(10_000 + args.seed))
     held_out = frozenset(tuple(t["ab"]) for t in eval_tasks)  # the warm-up and GRPO never see these
     history: list[dict[str, Any]] = []
     state = Path(tempfile.mkdtemp(prefix="tool-agent-"))
-    service = (contextlib.nullcontext(args.url) if args.url
-               else local_vllm_service(state, model_dir, args.model_name, args.kv_cache_gib, 4 * args.group_size))
+    service = (
+        contextlib.nullcontext(args.url)
+        if args.url
+        else local_vllm_service(state, model_dir, args.model_name, args.kv_cache_gib, 4 * args.group_size)
+    )
 
     def record(row: dict[str, Any]) -> None:
         row["wall_min"] = round((time.monotonic() - began) / 60, 1)
@@ -271,17 +305,30 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"started_s": round(time.monotonic() - began, 1)}), flush=True)
             if args.warmup_steps > 0:
                 started = time.monotonic()
-                record({"step": -1, "phase": "before warm-up", **evaluate(client, eval_tasks, fields),
-                        "eval_s": round(time.monotonic() - started, 1)})
+                record(
+                    {
+                        "step": -1,
+                        "phase": "before warm-up",
+                        **evaluate(client, eval_tasks, fields),
+                        "eval_s": round(time.monotonic() - started, 1),
+                    }
+                )
                 started = time.monotonic()
                 log = warmup(model, renderer_for(str(model_dir)), random.Random(20_000 + args.seed), held_out, args)
                 trained_s = time.monotonic() - started
                 push()
-                record({"step": -1, "phase": "warm-up", "warmup_steps": sum("loss" in r for r in log),
+                record(
+                    {
+                        "step": -1,
+                        "phase": "warm-up",
+                        "warmup_steps": sum("loss" in r for r in log),
                         "warmup_episodes": sum("loss" in r for r in log) * args.warmup_batch,
                         "episode_probability_before": log[0]["episode_probability"],
                         "episode_probability_after": log[-1]["episode_probability"],
-                        "warmup_s": round(trained_s, 1), "policy_version": version})
+                        "warmup_s": round(trained_s, 1),
+                        "policy_version": version,
+                    }
+                )
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
             step = 0
@@ -296,20 +343,37 @@ def main(argv: list[str] | None = None) -> None:
                     record(row)
                     break
                 tasks = [task_of(t) for t in multiplication_tasks(6 * args.groups, rng, held_out)]
-                with client.batch(tasks, group_size=args.group_size, target_groups=args.groups,
-                                  max_inflight_groups=args.groups + 1, filter="nonuniform_reward",
-                                  progress=False, **fields) as run:
+                with client.batch(
+                    tasks,
+                    group_size=args.group_size,
+                    target_groups=args.groups,
+                    max_inflight_groups=args.groups + 1,
+                    filter="nonuniform_reward",
+                    progress=False,
+                    **fields,
+                ) as run:
                     groups = run.groups()
                     view = run.view()
                 rollouts = [r for g in groups for r in g.rollouts if r.trajectory is not None]
-                row.update({"accepted_groups": len(groups), "dropped_groups": view.dropped,
-                            "rollout_s": round(time.monotonic() - started - row.get("eval_s", 0.0), 1)})
+                row.update(
+                    {
+                        "accepted_groups": len(groups),
+                        "dropped_groups": view.dropped,
+                        "rollout_s": round(time.monotonic() - started - row.get("eval_s", 0.0), 1),
+                    }
+                )
                 if groups:
                     row["train_reward"] = statistics.fmean(r for g in groups for r in g.rewards)
                     row["train_tool_fraction"] = statistics.fmean(called_a_tool(r.trajectory) for r in rollouts)
                     trained = time.monotonic()
-                    row.update({k: round(v, 4) for k, v in grpo_step(model, optimizer, groups, args.clip_low,
-                                                                     args.clip_high, args.micro_batch).items()})
+                    row.update(
+                        {
+                            k: round(v, 4)
+                            for k, v in grpo_step(
+                                model, optimizer, groups, args.clip_low, args.clip_high, args.micro_batch
+                            ).items()
+                        }
+                    )
                     row["train_s"] = round(time.monotonic() - trained, 1)
                     push()
                     row["policy_version"] = version
@@ -319,12 +383,26 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(state, ignore_errors=True)
     minutes = (time.monotonic() - began) / 60
-    plot(history, args.out / "tool_agent.png",
-         f"SmolLM2-135M-Instruct: warm-up, then GRPO on vLLM through rollout-service, 2 CPU cores, {minutes:.0f} min")
+    plot(
+        history,
+        args.out / "tool_agent.png",
+        f"SmolLM2-135M-Instruct: warm-up, then GRPO on vLLM through rollout-service, 2 CPU cores, {minutes:.0f} min",
+    )
     evaluated = [h for h in history if "eval_reward" in h]
-    print(json.dumps({"evaluations": [{k: h.get(k) for k in ("step", "phase", "eval_reward", "eval_tool_fraction", "wall_min")}
-                                      for h in evaluated], "grpo_steps": step,
-                      "wall_min": round(minutes, 1), "plot": str(args.out / "tool_agent.png")}), flush=True)
+    print(
+        json.dumps(
+            {
+                "evaluations": [
+                    {k: h.get(k) for k in ("step", "phase", "eval_reward", "eval_tool_fraction", "wall_min")}
+                    for h in evaluated
+                ],
+                "grpo_steps": step,
+                "wall_min": round(minutes, 1),
+                "plot": str(args.out / "tool_agent.png"),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

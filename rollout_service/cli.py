@@ -1,4 +1,5 @@
 """``rollout-service``: run the whole service (``up``) or single pieces, submit tasks, reap."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,20 +9,29 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
-from rollout_service.errors import ConfigError, RolloutError
-from rollout_service.devtools.models import reference_model_name, resolve_reference_model
-from rollout_service.schemas import BackendView, JobView
-from rollout_service.settings import Settings, get_settings
 from rollout_service.devtools.engines import ENGINES, VLLM_START_TIMEOUT_S
+from rollout_service.devtools.models import reference_model_name, resolve_reference_model
+from rollout_service.errors import ConfigError, RolloutError
 from rollout_service.launch.commands import (
-    FLOWER_NICENESS, FLOWER_USER, POOL_KINDS, WATCH_INTERVAL_S, WORKER_POOLS, WorkerOptions, flower_command, gateway_command,
-    local_address, wait_http, worker_command,
+    FLOWER_NICENESS,
+    FLOWER_USER,
+    POOL_KINDS,
+    WATCH_INTERVAL_S,
+    WORKER_POOLS,
+    WorkerOptions,
+    flower_command,
+    gateway_command,
+    local_address,
+    wait_http,
+    worker_command,
 )
 from rollout_service.launch.supervisor import INTAKE, SERVICES, STORE, Supervisor
+from rollout_service.schemas import BackendView, JobView
+from rollout_service.settings import Settings, get_settings
 
 FAILED_STATUSES = ("failed", "timed_out", "cancelled")
 
@@ -39,23 +49,42 @@ def engine_command(settings: Settings, engine: str, model_dir: Path) -> tuple[li
         from rollout_service.devtools.engines import vllm_command, vllm_env
 
         name = reference_model_name(served_model(settings, engine))
-        return (vllm_command(Path(settings.vllm_venv).resolve(), model_dir, name, settings.reference_port),
-                vllm_env(settings.vllm_kv_cache_gib))
+        return (
+            vllm_command(Path(settings.vllm_venv).resolve(), model_dir, name, settings.reference_port),
+            vllm_env(settings.vllm_kv_cache_gib),
+        )
     if engine == "reference":
         return reference_command(settings, model_dir), {}
     raise ConfigError(f"unknown engine {engine!r}; valid: {', '.join(ENGINES)} (ROLLOUT_ENGINE or --engine)")
 
 
 def reference_command(settings: Settings, model_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "rollout_service.devtools.reference_server", "--model", str(model_dir),
-            "--port", str(settings.reference_port), "--host", "127.0.0.1"]
+    return [
+        sys.executable,
+        "-m",
+        "rollout_service.devtools.reference_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(settings.reference_port),
+        "--host",
+        "127.0.0.1",
+    ]
 
 
 def register_reference(gateway: str, reference: str, model_dir: Path, settings: Settings, engine: str) -> None:
     headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-    answer = httpx.post(f"{gateway}/v1/backends", headers=headers, timeout=10, json={
-        "url": reference, "kind": "vllm" if engine == "vllm" else "reference",
-        "model": reference_model_name(served_model(settings, engine)), "tokenizer": str(model_dir)})
+    answer = httpx.post(
+        f"{gateway}/v1/backends",
+        headers=headers,
+        timeout=10,
+        json={
+            "url": reference,
+            "kind": "vllm" if engine == "vllm" else "reference",
+            "model": reference_model_name(served_model(settings, engine)),
+            "tokenizer": str(model_dir),
+        },
+    )
     if not answer.is_success:
         raise ConfigError(f"registering the reference backend failed: {answer.status_code} {answer.text[:500]}")
 
@@ -89,8 +118,7 @@ def mask_password(url: str) -> str:
     return f"{scheme}://{credentials.split(':')[0]}:***@{host}" if at and ":" in credentials else url
 
 
-def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Namespace,
-                 model_dir: Optional[Path]) -> None:
+def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Namespace, model_dir: Path | None) -> None:
     if model_dir is not None:
         command, env = engine_command(settings, args.engine, model_dir)
         supervisor.start(args.engine, command, stop_rank=SERVICES, env=env)
@@ -101,8 +129,9 @@ def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Name
             suffix = f"-{index + 1}" if copies > 1 else ""
             supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
     # monitoring yields the CPU to rollouts: it read every task event at the burst of a big submission
-    supervisor.start("flower", flower_command(settings), niceness=FLOWER_NICENESS, stop_rank=SERVICES,
-                     env=flower_env(settings))
+    supervisor.start(
+        "flower", flower_command(settings), niceness=FLOWER_NICENESS, stop_rank=SERVICES, env=flower_env(settings)
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -112,7 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     args.engine = args.engine or settings.engine
     state = settings.state_path
     state.mkdir(parents=True, exist_ok=True)
-    redis_server: Optional[RedisServer] = None
+    redis_server: RedisServer | None = None
     redis_url = settings.redis_url
     supervisor = Supervisor(state / "logs", {}, stop_grace_s=settings.shutdown_grace_s, report=sys.stdout)
     if not redis_url:
@@ -121,8 +150,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_process = redis_server.launch(redis_command)
         redis_server.wait_ready()
         redis_url = redis_server.url
-        supervisor.adopt("redis", redis_process, redis_command, STORE,
-                         launch=redis_server.launch, ready=redis_server.wait_ready)
+        supervisor.adopt(
+            "redis", redis_process, redis_command, STORE, launch=redis_server.launch, ready=redis_server.wait_ready
+        )
     write_private(state / "redis.url", redis_url)
     supervisor.env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
     stop_now = lambda *_: (_ for _ in ()).throw(KeyboardInterrupt())  # noqa: E731
@@ -134,8 +164,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         if with_reference:
             model = served_model(settings, args.engine)
             if args.engine not in ENGINES:
-                raise ConfigError(f"unknown engine {args.engine!r}; valid: {', '.join(ENGINES)} (ROLLOUT_ENGINE or --engine)")
-            print(f"preparing the model {reference_model_name(model)!r} for the {args.engine} engine (once) ...", flush=True)
+                raise ConfigError(
+                    f"unknown engine {args.engine!r}; valid: {', '.join(ENGINES)} (ROLLOUT_ENGINE or --engine)"
+                )
+            print(
+                f"preparing the model {reference_model_name(model)!r} for the {args.engine} engine (once) ...",
+                flush=True,
+            )
             model_dir = resolve_reference_model(model, state)
         start_pieces(supervisor, settings, args, model_dir)
         address = local_address(settings)
@@ -144,31 +179,47 @@ def cmd_up(args: argparse.Namespace) -> int:
         wait_http(f"{gateway}/healthz", supervisor, 60)
         if model_dir is not None:
             if args.engine == "vllm":
-                print(f"starting vLLM (its log: {supervisor.log_dir / 'vllm.log'}; 1-3 minutes on a small machine) ...",
-                      flush=True)
+                print(
+                    f"starting vLLM (its log: {supervisor.log_dir / 'vllm.log'}; 1-3 minutes on a small machine) ...",
+                    flush=True,
+                )
             wait_http(f"{reference}/health", supervisor, VLLM_START_TIMEOUT_S if args.engine == "vllm" else 120)
             register_reference(gateway, reference, model_dir, settings, args.engine)
         backends = probe_backends_at_start(redis_url)
         if with_reference and not any(b.url == reference and b.healthy for b in backends):
-            raise ConfigError(f"the {args.engine} backend {reference} is not registered as healthy; "
-                              f"see {supervisor.log_dir / (args.engine + '.log')}")
+            raise ConfigError(
+                f"the {args.engine} backend {reference} is not registered as healthy; "
+                f"see {supervisor.log_dir / (args.engine + '.log')}"
+            )
         wait_http(f"{gateway}/readyz", supervisor, 120)
         wait_http(f"http://{address}:{settings.flower_port}/healthcheck", supervisor, 60)
         unhealthy = [b for b in backends if not b.healthy]
         everywhere = " (every interface)" if address != settings.bind_host else ""
         run_workers = args.run_workers or settings.run_workers
-        print(f"rollout-service is up (Ctrl-C stops everything; a piece that dies is restarted)\n"
-              f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
-              f"  flower     http://{address}:{settings.flower_port}{everywhere}"
-              + (f"  (user {FLOWER_USER!r}, the API token as password)" if settings.api_token else "") + "\n"
-              + (f"  {args.engine:<10} {reference}  (model '{reference_model_name(served_model(settings, args.engine))}', registered and healthy)\n" if with_reference else "")
-              + f"  workers    init x{args.init_workers}, run x{run_workers}, eval, control\n"
-              f"  redis      {mask_password(redis_url)}"
-              + (f"  (password in {redis_server.data_dir / 'password'})" if redis_server else "") + "\n"
-              f"  logs       {supervisor.log_dir}", flush=True)
+        print(
+            f"rollout-service is up (Ctrl-C stops everything; a piece that dies is restarted)\n"
+            f"  gateway    {gateway}{everywhere}   (try {gateway}/v1/backends, {gateway}/ui/)\n"
+            f"  flower     http://{address}:{settings.flower_port}{everywhere}"
+            + (f"  (user {FLOWER_USER!r}, the API token as password)" if settings.api_token else "")
+            + "\n"
+            + (
+                f"  {args.engine:<10} {reference}  (model '{reference_model_name(served_model(settings, args.engine))}', registered and healthy)\n"
+                if with_reference
+                else ""
+            )
+            + f"  workers    init x{args.init_workers}, run x{run_workers}, eval, control\n"
+            f"  redis      {mask_password(redis_url)}"
+            + (f"  (password in {redis_server.data_dir / 'password'})" if redis_server else "")
+            + "\n"
+            f"  logs       {supervisor.log_dir}",
+            flush=True,
+        )
         for b in unhealthy:
-            print(f"  unhealthy backend {b.id} {b.url} (model {b.model!r}) does not answer /health; "
-                  f"remove it with DELETE {gateway}/v1/backends/{b.id}", flush=True)
+            print(
+                f"  unhealthy backend {b.id} {b.url} (model {b.model!r}) does not answer /health; "
+                f"remove it with DELETE {gateway}/v1/backends/{b.id}",
+                flush=True,
+            )
         while True:
             supervisor.watch()
             time.sleep(WATCH_INTERVAL_S)
@@ -227,9 +278,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         views = client.wait(job_ids, timeout_s=args.timeout_s, on_done=done)
         bar.close()
     rewards = [v.reward for v in views if v.reward is not None]
-    print(f"{len(views)} jobs: " + ", ".join(f"{s} {sum(v.status.value == s for v in views)}"
-          for s in sorted({v.status.value for v in views})) +
-          (f"; mean reward {sum(rewards) / len(rewards):.3f}" if rewards else ""), file=sys.stderr)
+    print(
+        f"{len(views)} jobs: "
+        + ", ".join(f"{s} {sum(v.status.value == s for v in views)}" for s in sorted({v.status.value for v in views}))
+        + (f"; mean reward {sum(rewards) / len(rewards):.3f}" if rewards else ""),
+        file=sys.stderr,
+    )
     unsuccessful = [v for v in views if v.status.value in FAILED_STATUSES]
     for view in unsuccessful[:20]:
         reason = f"{view.error.code}: {view.error.message}" if view.error else view.finish_reason or ""
@@ -271,7 +325,7 @@ def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.7}}'")
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}); give an object, e.g. '{{\"temperature\": 0.7}}'") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}: {text}")
     return value
@@ -303,30 +357,62 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start redis, gateway, workers, flower and the reference backend")
     up.add_argument("--redis-port", type=int, default=None, help="port of the embedded redis (default: free)")
     up.add_argument("--no-reference", action="store_true", help="do not start a backend")
-    up.add_argument("--engine", choices=ENGINES, default=None,
-                    help="serve ROLLOUT_REFERENCE_MODEL with the project's reference server or vLLM's CPU build "
-                         "(`make vllm`); default ROLLOUT_ENGINE (reference)")
-    up.add_argument("--run-workers", type=positive_int, default=None, metavar="N",
-                    help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY greenlets); "
-                         "default ROLLOUT_RUN_WORKERS, the number of cores")
-    up.add_argument("--init-workers", type=positive_int, default=1, metavar="N",
-                    help="init worker processes to start (each ROLLOUT_INIT_CONCURRENCY greenlets)")
+    up.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="serve ROLLOUT_REFERENCE_MODEL with the project's reference server or vLLM's CPU build "
+        "(`make vllm`); default ROLLOUT_ENGINE (reference)",
+    )
+    up.add_argument(
+        "--run-workers",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="run worker processes to start (each ROLLOUT_RUN_CONCURRENCY greenlets); "
+        "default ROLLOUT_RUN_WORKERS, the number of cores",
+    )
+    up.add_argument(
+        "--init-workers",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="init worker processes to start (each ROLLOUT_INIT_CONCURRENCY greenlets)",
+    )
     sub.add_parser("gateway", help="serve the HTTP gateway under gunicorn")
     worker = sub.add_parser("worker", help="run the Celery worker pool of one queue")
     worker.add_argument("queue", choices=sorted(WORKER_POOLS))
-    worker.add_argument("--pool", choices=POOL_KINDS, default=None, help="default: gevent for init and run, prefork for eval, threads for control")
+    worker.add_argument(
+        "--pool",
+        choices=POOL_KINDS,
+        default=None,
+        help="default: gevent for init and run, prefork for eval, threads for control",
+    )
     sizing = worker.add_mutually_exclusive_group()
-    sizing.add_argument("--concurrency", type=positive_int, default=None, metavar="N",
-                        help="default: ROLLOUT_<QUEUE>_CONCURRENCY")
-    sizing.add_argument("--autoscale", type=autoscale_range, default=None, metavar="MAX,MIN",
-                        help="grow and shrink between MIN and MAX (prefork or gevent pools)")
-    worker.add_argument("--hostname", default=None, metavar="NAME",
-                        help="Celery node name (default <queue>-<random>@<host>, unique per process)")
+    sizing.add_argument(
+        "--concurrency", type=positive_int, default=None, metavar="N", help="default: ROLLOUT_<QUEUE>_CONCURRENCY"
+    )
+    sizing.add_argument(
+        "--autoscale",
+        type=autoscale_range,
+        default=None,
+        metavar="MAX,MIN",
+        help="grow and shrink between MIN and MAX (prefork or gevent pools)",
+    )
+    worker.add_argument(
+        "--hostname",
+        default=None,
+        metavar="NAME",
+        help="Celery node name (default <queue>-<random>@<host>, unique per process)",
+    )
     sub.add_parser("flower", help="serve Flower (Celery monitoring)")
-    sub.add_parser("reference-server", help="serve a HF model or a script over the vLLM/SGLang token APIs",
-                   add_help=False)
-    submit = sub.add_parser("submit", help="submit a JSONL file of tasks and wait for them; exit 1 if any "
-                                           "job failed, timed out or was cancelled")
+    sub.add_parser(
+        "reference-server", help="serve a HF model or a script over the vLLM/SGLang token APIs", add_help=False
+    )
+    submit = sub.add_parser(
+        "submit",
+        help="submit a JSONL file of tasks and wait for them; exit 1 if any job failed, timed out or was cancelled",
+    )
     submit.add_argument("file")
     submit.add_argument("--n", type=positive_int, default=1, help="rollouts per task (a GRPO group)")
     submit.add_argument("--url", default=None, help="gateway URL (default: localhost:ROLLOUT_PORT)")
@@ -334,18 +420,29 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout-s", type=float, default=3600.0)
     submit.add_argument("--model", default=None, help="sampling.model: the backend pool to use")
     for name in ("sampling", "agent", "timeouts"):
-        submit.add_argument(f"--{name}", type=json_object, default=None, metavar="JSON",
-                            help=f"the job's {name} object (a task line's own {name} keys win)")
+        submit.add_argument(
+            f"--{name}",
+            type=json_object,
+            default=None,
+            metavar="JSON",
+            help=f"the job's {name} object (a task line's own {name} keys win)",
+        )
     reap = sub.add_parser("reap", help="kill sandboxes that outlived their expiry")
     reap.add_argument("--all-hosts", action="store_true")
-    reap.add_argument("--every-s", type=float, default=None, metavar="S",
-                      help="keep reaping every S seconds (a reaper beside the workers of a container)")
+    reap.add_argument(
+        "--every-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="keep reaping every S seconds (a reaper beside the workers of a container)",
+    )
     harness = sub.add_parser("harness", help="prepare harness environments (agent.harness.env_dir)")
     harness_sub = harness.add_subparsers(dest="harness_command", required=True)
     install = harness_sub.add_parser("install", help="make a virtualenv with a preset's packages (and more)")
     install.add_argument("name", help="a preset (mini-swe-agent) or any name with --package")
-    install.add_argument("--into", default=None, help="the environment's directory "
-                                                      "(default: ROLLOUT_STATE_DIR/harnesses/NAME)")
+    install.add_argument(
+        "--into", default=None, help="the environment's directory (default: ROLLOUT_STATE_DIR/harnesses/NAME)"
+    )
     install.add_argument("--package", action="append", default=[], metavar="SPEC", help="one more pip requirement")
     return parser
 
@@ -354,11 +451,11 @@ def cmd_harness(args: argparse.Namespace) -> int:
     from rollout_service.runtime.harness_presets import install
 
     target = install(args.name, args.into, tuple(args.package))
-    print(f"{target}\nuse it with: \"agent\": {{\"harness\": {{\"env_dir\": \"{target}\", ...}}}}")
+    print(f'{target}\nuse it with: "agent": {{"harness": {{"env_dir": "{target}", ...}}}}')
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["reference-server"]:
         from rollout_service.devtools.reference_server import main as reference_main

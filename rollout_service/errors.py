@@ -3,9 +3,10 @@
 ``http_status`` and ``code`` are what the gateway puts on the wire; workers store
 ``code`` as a failed job's typed reason.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class RolloutError(Exception):

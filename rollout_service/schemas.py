@@ -3,14 +3,14 @@
 Shared by the gateway, the workers and the client SDK. Request models forbid unknown
 fields so a typo is a 400 that names it rather than a silently ignored option.
 """
+
 from __future__ import annotations
 
-from enum import Enum
 from collections.abc import Iterable
-from typing import Any, Literal, Optional
+from enum import Enum
+from typing import Any, Literal
 
 import pydantic
-
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.config import JsonDict
 from pydantic_core import PydanticCustomError
@@ -27,9 +27,7 @@ class JobStatus(str, Enum):
     timed_out = "timed_out"
 
 
-TERMINAL_STATUSES = frozenset(
-    {JobStatus.completed, JobStatus.failed, JobStatus.cancelled, JobStatus.timed_out}
-)
+TERMINAL_STATUSES = frozenset({JobStatus.completed, JobStatus.failed, JobStatus.cancelled, JobStatus.timed_out})
 
 
 class FinishReason(str, Enum):
@@ -45,8 +43,15 @@ class FinishReason(str, Enum):
 
 
 TRUNCATING_REASONS = frozenset(
-    {FinishReason.length, FinishReason.max_turns, FinishReason.context_length, FinishReason.deadline,
-     FinishReason.stale, FinishReason.cancelled, FinishReason.error}
+    {
+        FinishReason.length,
+        FinishReason.max_turns,
+        FinishReason.context_length,
+        FinishReason.deadline,
+        FinishReason.stale,
+        FinishReason.cancelled,
+        FinishReason.error,
+    }
 )
 
 
@@ -57,10 +62,13 @@ def _require_domain(task: dict[str, Any]) -> dict[str, Any]:
     return task
 
 
-TASK_SCHEMA: JsonDict = {"required": ["domain"], "additionalProperties": True, "properties": {"domain": {
-    "type": "string", "minLength": 1, "description": "math | stem | code | swe"}},
+TASK_SCHEMA: JsonDict = {
+    "required": ["domain"],
+    "additionalProperties": True,
+    "properties": {"domain": {"type": "string", "minLength": 1, "description": "math | stem | code | swe"}},
     "description": "the domain's fields (checked by its handler: a missing or mistyped one is a 400); other "
-                   "fields, such as a dataset row's extra columns, are kept with the job and ignored"}
+    "fields, such as a dataset row's extra columns, are kept with the job and ignored",
+}
 
 
 class _Strict(BaseModel):
@@ -82,7 +90,7 @@ class Sampling(_Strict):
     """What every LLM call of the job samples with: the parameters vLLM and SGLang share, each
     forwarded unchanged (SGLang's names: ``min_new_tokens``, ``sampling_seed``), with their bounds."""
 
-    model: Optional[str] = None
+    model: str | None = None
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
@@ -90,14 +98,19 @@ class Sampling(_Strict):
     presence_penalty: float = Field(0.0, description="in [-2, 2]")
     frequency_penalty: float = Field(0.0, description="in [-2, 2]")
     repetition_penalty: float = Field(1.0, description="in (0, 2]; 1 is none")
-    max_new_tokens: Optional[int] = Field(None, gt=0, description="per LLM call")
-    min_tokens: int = Field(0, ge=0, description="per LLM call: no eos or stop token before this many "
-                                                  "(capped by what the call may generate)")
+    max_new_tokens: int | None = Field(None, gt=0, description="per LLM call")
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        description="per LLM call: no eos or stop token before this many (capped by what the call may generate)",
+    )
     ignore_eos: bool = False
-    logit_bias: dict[str, float] = Field(default_factory=dict, description=(
-        f"token id -> bias added to its logit, in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"))
-    max_model_len: Optional[int] = Field(None, gt=0, description="context limit in tokens")
-    seed: Optional[int] = None
+    logit_bias: dict[str, float] = Field(
+        default_factory=dict,
+        description=(f"token id -> bias added to its logit, in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"),
+    )
+    max_model_len: int | None = Field(None, gt=0, description="context limit in tokens")
+    seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
 
     @field_validator(*_SAMPLING_BOUNDS)
@@ -107,8 +120,9 @@ class Sampling(_Strict):
             raise TypeError("_within_bounds validates fields of Sampling only")
         low, high, low_excluded, written = _SAMPLING_BOUNDS[info.field_name]
         if not (low < value if low_excluded else low <= value) or value > high:
-            raise PydanticCustomError("sampling_bound", "must be in {bound}, got {value}",
-                                      {"bound": written, "value": f"{value:g}"})
+            raise PydanticCustomError(
+                "sampling_bound", "must be in {bound}, got {value}", {"bound": written, "value": f"{value:g}"}
+            )
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -123,8 +137,9 @@ class Sampling(_Strict):
             elif isinstance(key, str) and key.isascii() and key.isdigit():
                 biases[str(int(key))] = bias
             else:
-                raise PydanticCustomError("token_id", "keys must be token ids (integers >= 0), got {key}",
-                                          {"key": repr(key)})
+                raise PydanticCustomError(
+                    "token_id", "keys must be token ids (integers >= 0), got {key}", {"key": repr(key)}
+                )
         return biases
 
     @field_validator("logit_bias")
@@ -133,8 +148,10 @@ class Sampling(_Strict):
         for key, bias in value.items():
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise PydanticCustomError(
-                    "sampling_bound", "the bias of token {key} must be in [-{limit}, {limit}], got {bias}",
-                    {"key": key, "limit": f"{LOGIT_BIAS_LIMIT:g}", "bias": f"{bias:g}"})
+                    "sampling_bound",
+                    "the bias of token {key} must be in [-{limit}, {limit}], got {bias}",
+                    {"key": key, "limit": f"{LOGIT_BIAS_LIMIT:g}", "bias": f"{bias:g}"},
+                )
         return value
 
 
@@ -143,44 +160,53 @@ class HarnessConfig(_Strict):
     (OpenAI Chat Completions and Responses, Anthropic Messages; ``OPENAI_BASE_URL``,
     ``ANTHROPIC_BASE_URL`` and their keys in its environment). See docs/harnesses.md."""
 
-    command: Optional[list[str]] = Field(None, min_length=1, description=(
-        "argv, run in /workspace inside the sandbox; with a preset, replaces the preset's command"))
-    preset: Optional[str] = Field(None, description="a known harness run non-interactively, e.g. 'mini-swe-agent'")
-    env_dir: Optional[str] = Field(None, description=(
-        "absolute path of a prepared virtualenv or directory (`rollout-service harness install`), under "
-        "ROLLOUT_HARNESS_ROOTS or state_dir/harnesses; bound read-only into the sandbox, its bin/ first on PATH"))
+    command: list[str] | None = Field(
+        None,
+        min_length=1,
+        description=("argv, run in /workspace inside the sandbox; with a preset, replaces the preset's command"),
+    )
+    preset: str | None = Field(None, description="a known harness run non-interactively, e.g. 'mini-swe-agent'")
+    env_dir: str | None = Field(
+        None,
+        description=(
+            "absolute path of a prepared virtualenv or directory (`rollout-service harness install`), under "
+            "ROLLOUT_HARNESS_ROOTS or state_dir/harnesses; bound read-only into the sandbox, its bin/ first on PATH"
+        ),
+    )
     env: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("command")
     @classmethod
-    def _no_empty_arguments(cls, command: Optional[list[str]]) -> Optional[list[str]]:
+    def _no_empty_arguments(cls, command: list[str] | None) -> list[str] | None:
         if command is not None and not command[0].strip():
             raise ValueError('the program (command[0]) must be a non-empty string, e.g. ["python", "agent.py"]')
         return command
 
     @model_validator(mode="after")
-    def _command_or_preset(self) -> "HarnessConfig":
+    def _command_or_preset(self) -> HarnessConfig:
         if self.command is None and self.preset is None:
-            raise ValueError('give agent.harness.command (an argv list, e.g. ["python", "agent.py"]) '
-                             'or agent.harness.preset (e.g. "mini-swe-agent")')
+            raise ValueError(
+                'give agent.harness.command (an argv list, e.g. ["python", "agent.py"]) '
+                'or agent.harness.preset (e.g. "mini-swe-agent")'
+            )
         return self
 
 
 class AgentConfig(_Strict):
-    max_turns: Optional[int] = Field(None, gt=0)
+    max_turns: int | None = Field(None, gt=0)
     tool_parser: str = "hermes"
-    tools: Optional[list[str]] = Field(None, description="subset of the domain's tools")
-    system_prompt: Optional[str] = None
-    harness: Optional[HarnessConfig] = Field(None, description="run this program instead of the built-in agent loop")
+    tools: list[str] | None = Field(None, description="subset of the domain's tools")
+    system_prompt: str | None = None
+    harness: HarnessConfig | None = Field(None, description="run this program instead of the built-in agent loop")
 
 
 MIN_TIMEOUT_S = 0.001
 
 
 class Timeouts(_Strict):
-    job_s: Optional[float] = Field(None, ge=MIN_TIMEOUT_S)
-    llm_call_s: Optional[float] = Field(None, ge=MIN_TIMEOUT_S)
-    tool_s: Optional[float] = Field(None, ge=MIN_TIMEOUT_S)
+    job_s: float | None = Field(None, ge=MIN_TIMEOUT_S)
+    llm_call_s: float | None = Field(None, ge=MIN_TIMEOUT_S)
+    tool_s: float | None = Field(None, ge=MIN_TIMEOUT_S)
 
 
 class JobRequest(_Strict):
@@ -189,7 +215,7 @@ class JobRequest(_Strict):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     n: int = Field(1, ge=1, le=1024)
-    max_policy_lag: Optional[int] = Field(None, ge=0)
+    max_policy_lag: int | None = Field(None, ge=0)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     _task_has_domain = field_validator("task")(_require_domain)
@@ -237,13 +263,13 @@ class ErrorInfo(BaseModel):
 
 
 class Timings(BaseModel):
-    queued_s: Optional[float] = Field(None, description="all time spent waiting in queues (sum of waits_s)")
+    queued_s: float | None = Field(None, description="all time spent waiting in queues (sum of waits_s)")
     waits_s: dict[str, float] = Field(default_factory=dict, description="queue wait before each stage")
-    init_s: Optional[float] = None
-    run_s: Optional[float] = None
-    eval_s: Optional[float] = None
-    sandbox_boot_s: Optional[float] = Field(None, description="booting the sandbox (while the first LLM call runs)")
-    sandbox_wait_s: Optional[float] = Field(None, description="part of run_s: the episode waiting for its sandbox")
+    init_s: float | None = None
+    run_s: float | None = None
+    eval_s: float | None = None
+    sandbox_boot_s: float | None = Field(None, description="booting the sandbox (while the first LLM call runs)")
+    sandbox_wait_s: float | None = Field(None, description="part of run_s: the episode waiting for its sandbox")
 
 
 class JobView(BaseModel):
@@ -251,11 +277,11 @@ class JobView(BaseModel):
     status: JobStatus
     group_id: str
     timings: Timings
-    reward: Optional[float] = None
-    finish_reason: Optional[FinishReason] = None
-    error: Optional[ErrorInfo] = None
-    result: Optional[dict[str, Any]] = None
-    backend_id: Optional[str] = None
+    reward: float | None = None
+    finish_reason: FinishReason | None = None
+    error: ErrorInfo | None = None
+    result: dict[str, Any] | None = None
+    backend_id: str | None = None
     attempts: int = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -267,7 +293,7 @@ class WaitResponse(BaseModel):
 
 class JobList(BaseModel):
     jobs: list[JobView]
-    cursor: Optional[str] = Field(None, description="pass as ?cursor= for the next (older) page; null at the end")
+    cursor: str | None = Field(None, description="pass as ?cursor= for the next (older) page; null at the end")
 
 
 class Prepared(BaseModel):
@@ -279,7 +305,7 @@ class Prepared(BaseModel):
     model: str
     tokenizer: str
     workspace: str
-    image: Optional[str] = None
+    image: str | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -287,15 +313,19 @@ class Turn(BaseModel):
     start: int
     end: int
     kind: Literal["generation", "observation"]
-    backend_id: Optional[str] = None
-    policy_version: Optional[int] = None
-    finish_reason: Optional[str] = None
+    backend_id: str | None = None
+    policy_version: int | None = None
+    finish_reason: str | None = None
     latency_s: float = 0.0
-    moved_from: Optional[str] = Field(None, description="backend that died during this call")
-    resumed_under: Optional[int] = Field(None, description=(
-        "the policy version when this call ended, if it differs from policy_version: a keep-mode pause "
-        "froze the call in the engine and it resumed under new weights (tokens before the sync came "
-        "from policy_version, the rest from this one)"))
+    moved_from: str | None = Field(None, description="backend that died during this call")
+    resumed_under: int | None = Field(
+        None,
+        description=(
+            "the policy version when this call ended, if it differs from policy_version: a keep-mode pause "
+            "froze the call in the engine and it resumed under new weights (tokens before the sync came "
+            "from policy_version, the rest from this one)"
+        ),
+    )
 
 
 class Segment(BaseModel):
@@ -313,19 +343,21 @@ class Segment(BaseModel):
 class Trajectory(Segment):
     """The first segment's ids, logprobs, mask, turns and messages at the top level, then the outcome."""
 
-    reward: Optional[float] = None
-    finish_reason: Optional[FinishReason] = None
+    reward: float | None = None
+    finish_reason: FinishReason | None = None
     truncated: bool = False
     segments: list[Segment] = Field(
-        default_factory=list, description="later segments (harness mode): calls whose conversation did not "
-        "extend the previous call's prompt + completion; the top-level fields are the first segment")
+        default_factory=list,
+        description="later segments (harness mode): calls whose conversation did not "
+        "extend the previous call's prompt + completion; the top-level fields are the first segment",
+    )
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[str | list[dict[str, Any]]] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 STREAM_DESCRIPTION = "true: the answer as server-sent events, sent once the whole generation is made"
@@ -338,15 +370,15 @@ class ChatCompletionRequest(BaseModel):
     ``max_tokens``/``max_completion_tokens`` only lower the job's per-call cap."""
 
     model_config = ConfigDict(extra="ignore")
-    model: Optional[str] = None
+    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: Optional[list[dict[str, Any]]] = None
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    max_tokens: Optional[int] = Field(None, gt=0)
-    max_completion_tokens: Optional[int] = Field(None, gt=0)
-    stop: Optional[str | list[str]] = None
-    seed: Optional[int] = None
+    tools: list[dict[str, Any]] | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per call")
     stream: bool = Field(False, description=STREAM_DESCRIPTION)
 
@@ -356,13 +388,14 @@ class ResponsesRequest(BaseModel):
     the job's ``sampling`` generates and ``max_output_tokens`` only lowers the per-call cap."""
 
     model_config = ConfigDict(extra="ignore")
-    model: Optional[str] = None
-    input: str | list[dict[str, Any]] = Field(description="a user message, or message / function_call / "
-                                              "function_call_output items")
-    instructions: Optional[str] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    max_output_tokens: Optional[int] = Field(None, gt=0)
-    previous_response_id: Optional[str] = None
+    model: str | None = None
+    input: str | list[dict[str, Any]] = Field(
+        description="a user message, or message / function_call / function_call_output items"
+    )
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = Field(None, gt=0)
+    previous_response_id: str | None = None
     stream: bool = Field(False, description=STREAM_DESCRIPTION)
 
 
@@ -376,23 +409,23 @@ class MessagesRequest(BaseModel):
     """The Anthropic Messages request a harness sends (``POST /v1/messages``)."""
 
     model_config = ConfigDict(extra="ignore")
-    model: Optional[str] = None
+    model: str | None = None
     max_tokens: int = Field(gt=0, description="lowers the job's per-call cap")
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Optional[str | list[dict[str, Any]]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
     stream: bool = Field(False, description=STREAM_DESCRIPTION)
 
 
 class TrajectoriesResponse(BaseModel):
-    trajectories: dict[str, Optional[Trajectory]] = Field(description="null: no trajectory (yet)")
+    trajectories: dict[str, Trajectory | None] = Field(description="null: no trajectory (yet)")
 
 
 class BackendSpec(_Strict):
     url: str
     kind: Literal["vllm", "sglang", "reference"]
     model: str
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -423,10 +456,13 @@ class BackendList(BaseModel):
 class PauseState(BaseModel):
     paused: bool
     policy_version: int
-    inflight_calls: Optional[int] = Field(None, description="LLM calls still running, plus run workers that may still start one without asking (their call gate closes within ROLLOUT_CALL_GATE_LEASE_S of the pause); 0: safe to sync weights (pause only)")
-    expires_in_s: Optional[float] = Field(None, description="seconds until the pause lifts by itself (pause only)")
-    mode: Optional[str] = Field(None, description="the pause mode the engines were asked for (pause only)")
-    engines: Optional[list["EngineResult"]] = Field(None, description="what each registered engine answered")
+    inflight_calls: int | None = Field(
+        None,
+        description="LLM calls still running, plus run workers that may still start one without asking (their call gate closes within ROLLOUT_CALL_GATE_LEASE_S of the pause); 0: safe to sync weights (pause only)",
+    )
+    expires_in_s: float | None = Field(None, description="seconds until the pause lifts by itself (pause only)")
+    mode: str | None = Field(None, description="the pause mode the engines were asked for (pause only)")
+    engines: list[EngineResult] | None = Field(None, description="what each registered engine answered")
 
 
 class Deleted(BaseModel):
@@ -441,11 +477,11 @@ class Readiness(BaseModel):
     ready: bool
     redis: bool
     queues: dict[str, bool] = Field(default_factory=dict)
-    reason: Optional[str] = None
+    reason: str | None = None
 
 
 class ResumeRequest(_Strict):
-    policy_version: Optional[int] = Field(None, ge=0)
+    policy_version: int | None = Field(None, ge=0)
 
 
 class ScoreRequest(_Strict):
@@ -483,18 +519,19 @@ class BatchStatus(str, Enum):
 class BatchRequest(_Strict):
     """``POST /v1/batches``: K accepted GRPO groups of ``group_size`` rollouts, DAPO-filtered."""
 
-    tasks: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": {
-        "type": "object", "additionalProperties": True, **TASK_SCHEMA}})
+    tasks: list[dict[str, Any]] = Field(
+        min_length=1, json_schema_extra={"items": {"type": "object", "additionalProperties": True, **TASK_SCHEMA}}
+    )
     group_size: int = Field(ge=1, le=1024)
     target_groups: int = Field(ge=1)
-    max_inflight_groups: Optional[int] = Field(None, ge=1, description="default: target_groups")
+    max_inflight_groups: int | None = Field(None, ge=1, description="default: target_groups")
     filter: BatchFilter = Field(BatchFilter.none, strict=False)  # strict would take only Enum members
     on_failure: OnFailure = Field(OnFailure.drop_group, strict=False)
     max_rollout_retries: int = Field(2, ge=0, le=10, description="per rollout, with retry_rollout")
     sampling: Sampling = Field(default_factory=Sampling)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
-    max_policy_lag: Optional[int] = Field(None, ge=0)
+    max_policy_lag: int | None = Field(None, ge=0)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("tasks")
@@ -515,7 +552,7 @@ class BatchCreated(BaseModel):
 class BatchView(BaseModel):
     batch_id: str
     status: BatchStatus
-    reason: Optional[str] = Field(None, description="target_reached | tasks_exhausted | cancelled")
+    reason: str | None = Field(None, description="target_reached | tasks_exhausted | cancelled")
     target_groups: int
     group_size: int
     accepted: int
@@ -528,18 +565,19 @@ class BatchView(BaseModel):
     tasks_total: int
     tasks_started: int
     remaining_tasks: list[dict[str, Any]] = Field(
-        default_factory=list, description="never started, or started in a group cancelled at completion")
+        default_factory=list, description="never started, or started in a group cancelled at completion"
+    )
     remaining_task_indices: list[int] = Field(default_factory=list)
     created_at: float
-    finished_at: Optional[float] = None
+    finished_at: float | None = None
 
 
 class GroupRollout(BaseModel):
     job_id: str
     status: JobStatus
-    reward: Optional[float] = None
-    finish_reason: Optional[FinishReason] = None
-    trajectory: Optional[Trajectory] = Field(None, description="filled in by the client SDK")
+    reward: float | None = None
+    finish_reason: FinishReason | None = None
+    trajectory: Trajectory | None = Field(None, description="filled in by the client SDK")
 
 
 class BatchGroup(BaseModel):
@@ -576,15 +614,17 @@ class EngineResult(BaseModel):
     url: str
     kind: str
     ok: bool
-    error: Optional[str] = Field(None, description="why it failed (unreachable, HTTP status and body, no answer in time)")
+    error: str | None = Field(None, description="why it failed (unreachable, HTTP status and body, no answer in time)")
     seconds: float = 0.0
 
 
 class UpdateWeightsRequest(_Strict):
-    model_path: str = Field(min_length=1, description="a directory of weights (config.json + *.safetensors) that "
-                                                      "every engine of the model can read")
-    model: Optional[str] = Field(None, description="the pool to update; default: the only model served")
-    policy_version: Optional[int] = Field(None, ge=0, description="the version of these weights; default: current + 1")
+    model_path: str = Field(
+        min_length=1,
+        description="a directory of weights (config.json + *.safetensors) that every engine of the model can read",
+    )
+    model: str | None = Field(None, description="the pool to update; default: the only model served")
+    policy_version: int | None = Field(None, ge=0, description="the version of these weights; default: current + 1")
 
 
 class UpdateWeightsResult(BaseModel):

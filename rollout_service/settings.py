@@ -3,6 +3,7 @@
 The unit of a setting is part of its name. ``Settings.from_env()`` is the only reader of
 the environment; processes call ``get_settings()``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ CORES = len(os.sched_getaffinity(0))
 
 @dataclass(frozen=True)
 class Settings:
+    # fmt: off
     redis_url: str = ""  # the Redis of job state (and of the queues, without broker_url); empty: an embedded redis-server under state_dir
     broker_url: str = ""  # Celery's queues on a Redis of their own; empty: the same Redis as redis_url
     redis_socket_timeout_s: float = 10.0  # a Redis command's answer (then retried); above any single command, blocking reads stay shorter
@@ -86,9 +88,10 @@ class Settings:
     repo_roots: str = ""  # directories (os.pathsep- or comma-separated) task.repo_path may name besides state_dir
     harness_roots: str = ""  # directories (os.pathsep- or comma-separated) agent.harness.env_dir may be under besides state_dir/harnesses
     shutdown_grace_s: float = 15.0  # `up` stopping: each rank of pieces (gateway, workers, backends, Redis) gets this long before it is killed
+    # fmt: on
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
@@ -137,7 +140,7 @@ class Settings:
 
         return "/dev/shm" if _is_writable_tmpfs("/dev/shm") else tempfile.gettempdir()
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
 
@@ -176,10 +179,14 @@ def reference() -> list[dict[str, str]]:
     import tokenize
 
     source = Path(__file__).read_text()
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-    settings_class = next(node for node in ast.parse(source).body
-                          if isinstance(node, ast.ClassDef) and node.name == "Settings")
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    settings_class = next(
+        node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == "Settings"
+    )
     rows = []
     for node in settings_class.body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None):
@@ -189,14 +196,24 @@ def reference() -> list[dict[str, str]]:
             default = f"`{written}`"
         else:
             value = eval(compile(ast.Expression(node.value), "<setting>", "eval"), {"__builtins__": {}})
-            shown = ("true" if value else "false") if isinstance(value, bool) else (
-                f"{value:g}" if isinstance(value, float) else str(value))
+            shown = (
+                ("true" if value else "false")
+                if isinstance(value, bool)
+                else (f"{value:g}" if isinstance(value, float) else str(value))
+            )
             default = f"`{shown}`" if shown else "(empty)"
             if not isinstance(node.value, ast.Constant):
                 default += f" ({written})"
-        rows.append({"name": name, "env": f"ROLLOUT_{name.upper()}", "type": ast.unparse(node.annotation),
-                     "default": default, "unit": next((u for suffix, u in _UNITS if name.endswith(suffix)), ""),
-                     "meaning": comments.get(node.end_lineno or node.lineno, "")})
+        rows.append(
+            {
+                "name": name,
+                "env": f"ROLLOUT_{name.upper()}",
+                "type": ast.unparse(node.annotation),
+                "default": default,
+                "unit": next((u for suffix, u in _UNITS if name.endswith(suffix)), ""),
+                "meaning": comments.get(node.end_lineno or node.lineno, ""),
+            }
+        )
     return rows
 
 

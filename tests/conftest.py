@@ -1,7 +1,8 @@
 """Shared fixtures: a real redis-server per test session, flushed between tests."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis

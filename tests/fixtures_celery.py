@@ -1,7 +1,8 @@
 """A Celery app configured as a worker's, built in the test process by ``workers.celery_app.create_app``."""
+
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from celery import Celery
@@ -20,6 +21,7 @@ def celery_app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Celery
 
     apps: list[Celery] = []
     with monkeypatch.context() as patch:
+
         def configure(redis_url: str, **settings_env: str) -> Celery:
             patch.delenv("ROLLOUT_BROKER_URL", raising=False)
             for name, value in {**settings_env, "ROLLOUT_REDIS_URL": redis_url}.items():

@@ -1,17 +1,18 @@
 """The whole service for end-to-end tests: its own redis-server, the gateway under gunicorn,
 and one real Celery worker per queue, each a separate process, as `rollout-service up` runs them."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
-from rollout_service.sdk.client import RolloutClient
-from rollout_service.errors import ApiError
 from rollout_service.devtools.local_service import LocalService, local_service
+from rollout_service.errors import ApiError
 from rollout_service.schemas import BackendView
+from rollout_service.sdk.client import RolloutClient
 
 SERVICE_SETTINGS = {
     "ROLLOUT_GATEWAY_WORKERS": "2",
@@ -44,14 +45,17 @@ def client(service: Service) -> Iterator[RolloutClient]:
 
 
 @pytest.fixture
-def scripted_backend(service: Service, scripted_server: Callable[..., str], tiny_tokenizer_dir: Path
-                     ) -> Iterator[Callable[..., BackendView]]:
+def scripted_backend(
+    service: Service, scripted_server: Callable[..., str], tiny_tokenizer_dir: Path
+) -> Iterator[Callable[..., BackendView]]:
     """Start a scripted inference server and register it; removed again after the test."""
     registered: list[str] = []
     with service.client() as c:
+
         def make(script: dict, kind: str = "vllm", model: str = "scripted", *server_args: str) -> BackendView:
-            backend = c.add_backend(scripted_server(script, *server_args), kind, model,
-                                    tokenizer=str(tiny_tokenizer_dir))
+            backend = c.add_backend(
+                scripted_server(script, *server_args), kind, model, tokenizer=str(tiny_tokenizer_dir)
+            )
             registered.append(backend.id)
             return backend
 

@@ -1,6 +1,7 @@
 """A single-node Slurm for the session (Debian's slurm-wlm and munge, installed by `make test`):
 munged, slurmctld and slurmd started as root with their own key, socket, ports and spool under
 the session's tmp dir, the node sized from this machine."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,9 +11,9 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -56,8 +57,10 @@ class SlurmCluster:
             if state in states:
                 return state
             time.sleep(0.5)
-        raise AssertionError(f"job {job_id} is {self.state(job_id)!r}, not {states} after {timeout_s} s; "
-                             f"its output:\n{self.output(job_id)[-3000:]}")
+        raise AssertionError(
+            f"job {job_id} is {self.state(job_id)!r}, not {states} after {timeout_s} s; "
+            f"its output:\n{self.output(job_id)[-3000:]}"
+        )
 
     def output(self, job_id: str) -> str:
         path = self.root / f"job-{job_id}.out"
@@ -109,9 +112,19 @@ def start_slurm(root: Path) -> SlurmCluster:
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
-    subprocess.run(["munged", "--force", f"--socket={munge / 'socket'}", f"--key-file={key}",
-                    f"--pid-file={root / 'munged.pid'}", f"--log-file={root / 'munged.log'}",
-                    f"--seed-file={root / 'munged.seed'}"], check=True, timeout=30)
+    subprocess.run(
+        [
+            "munged",
+            "--force",
+            f"--socket={munge / 'socket'}",
+            f"--key-file={key}",
+            f"--pid-file={root / 'munged.pid'}",
+            f"--log-file={root / 'munged.log'}",
+            f"--seed-file={root / 'munged.seed'}",
+        ],
+        check=True,
+        timeout=30,
+    )
     for name in ("state", "spool"):
         (root / name).mkdir()
     conf = root / "slurm.conf"
@@ -162,6 +175,7 @@ def _wait_gone(pid_file: Path, kill: bool) -> None:
 @dataclass
 class ControlJob:
     """slurm/control.sbatch running: what the other jobs find in its shared dir."""
+
     job_id: str
     shared_dir: Path
     env: dict[str, str]  # what every job of this deployment is submitted with
@@ -182,12 +196,22 @@ def start_control(cluster: SlurmCluster, shared_dir: Path, **env: str) -> Contro
     broker, and wait until its gateway is ready."""
     token = secrets.token_urlsafe(16)
     port = free_port()
-    job_env = {"PATH": f"{VENV_BIN}:{cluster.env['PATH']}", "ROLLOUT_SHARED_DIR": str(shared_dir),
-               "ROLLOUT_API_TOKEN": token, "ROLLOUT_PORT": str(port), "ROLLOUT_FLOWER_PORT": str(free_port()),
-               "ROLLOUT_REDIS_PORT": str(free_port()), "ROLLOUT_BROKER_REDIS_PORT": str(free_port()),
-               "ROLLOUT_REDIS_BIND": "127.0.0.1", "ROLLOUT_REDIS_HOST": "127.0.0.1",
-               "ROLLOUT_BIND_HOST": "127.0.0.1", "ROLLOUT_GATEWAY_WORKERS": "1",
-               "ROLLOUT_TASK_EVENTS": "false", "ROLLOUT_LLM_CONNECT_RETRIES": "1", **env}
+    job_env = {
+        "PATH": f"{VENV_BIN}:{cluster.env['PATH']}",
+        "ROLLOUT_SHARED_DIR": str(shared_dir),
+        "ROLLOUT_API_TOKEN": token,
+        "ROLLOUT_PORT": str(port),
+        "ROLLOUT_FLOWER_PORT": str(free_port()),
+        "ROLLOUT_REDIS_PORT": str(free_port()),
+        "ROLLOUT_BROKER_REDIS_PORT": str(free_port()),
+        "ROLLOUT_REDIS_BIND": "127.0.0.1",
+        "ROLLOUT_REDIS_HOST": "127.0.0.1",
+        "ROLLOUT_BIND_HOST": "127.0.0.1",
+        "ROLLOUT_GATEWAY_WORKERS": "1",
+        "ROLLOUT_TASK_EVENTS": "false",
+        "ROLLOUT_LLM_CONNECT_RETRIES": "1",
+        **env,
+    }
     job_id = cluster.sbatch(SLURM_DIR / "control.sbatch", "-c", "1", **job_env)
     control = ControlJob(job_id, shared_dir, job_env, f"http://127.0.0.1:{port}", token)
     deadline = time.monotonic() + 90
@@ -195,8 +219,9 @@ def start_control(cluster: SlurmCluster, shared_dir: Path, **env: str) -> Contro
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{control.gateway}/healthz", timeout=2).status_code == 200:
                 return control
-        assert cluster.state(job_id) in ("PENDING", "RUNNING") and time.monotonic() < deadline, \
+        assert cluster.state(job_id) in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
             f"control job {job_id} is {cluster.state(job_id)}: {cluster.output(job_id)[-3000:]}"
+        )
         time.sleep(0.5)
 
 
@@ -207,8 +232,9 @@ def job_processes(job_id: str) -> dict[int, tuple[list[str], dict[str, str]]]:
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
-            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text(errors="replace")
-                           .split("\0") if "=" in item)
+            environ = dict(
+                item.split("=", 1) for item in (proc / "environ").read_text(errors="replace").split("\0") if "=" in item
+            )
             if environ.get("SLURM_JOB_ID") == job_id:
                 found[int(proc.name)] = ((proc / "cmdline").read_text().split("\0")[:-1], environ)
     return found

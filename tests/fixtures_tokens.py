@@ -1,10 +1,11 @@
 """Token-level fixtures: the offline tiny tokenizer/model, and reference inference servers
 (scripted or with the tiny model) running as real subprocesses over real HTTP."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -25,8 +26,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def scripted_server(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path
-                    ) -> Iterator[Callable[..., str]]:
+def scripted_server(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Iterator[Callable[..., str]]:
     """``scripted_server(script, *extra_args) -> url``: a reference server replaying ``script``
     with the tiny tokenizer; stopped after the test."""
     servers: list[ReferenceServerProcess] = []

@@ -1,5 +1,6 @@
 """Helpers shared by test files: scripted-model replies, tasks, exact-trajectory checks, waiting,
 and /proc look-ups."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -38,14 +40,14 @@ def assert_trajectory_is_exactly_what_the_server_returned(trajectory: Any, reque
     generations = [t for t in trajectory.turns if t.kind == "generation"]
     assert len(generations) == len(requests)
     for turn, call in zip(generations, requests):
-        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[:turn.start]
-        assert trajectory.response_ids[turn.start:turn.end] == call["output_ids"]
-        assert trajectory.logprobs[turn.start:turn.end] == call["logprobs"]
+        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[: turn.start]
+        assert trajectory.response_ids[turn.start : turn.end] == call["output_ids"]
+        assert trajectory.logprobs[turn.start : turn.end] == call["logprobs"]
     n = len(trajectory.response_ids)
     assert len(trajectory.logprobs) == n and len(trajectory.loss_mask) == n
     for turn in trajectory.turns:
         expected_mask = 1 if turn.kind == "generation" else 0
-        assert set(trajectory.loss_mask[turn.start:turn.end]) <= {expected_mask}
+        assert set(trajectory.loss_mask[turn.start : turn.end]) <= {expected_mask}
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float = 60.0, what: str = "condition") -> None:
@@ -84,13 +86,14 @@ def run_with_broker(redis_url: str, code: str, **settings_env: str) -> dict:
     process cannot take back (monkeypatching, resource limits, signal handlers); an in-process test
     takes the ``celery_app`` fixture instead."""
     env = {**os.environ, **settings_env, "ROLLOUT_REDIS_URL": redis_url, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-TOOL_LOOP_HARNESS = r'''
+TOOL_LOOP_HARNESS = r"""
 import json, os, subprocess, urllib.request
 
 BASE, KEY = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
@@ -122,4 +125,4 @@ summary = chat([messages[0], {"role": "user", "content": "REWRITE-MARKER: summar
 assert summary["message"]["content"] == "Summary: 4", summary
 with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
     f.write("\\boxed{4}")
-'''
+"""

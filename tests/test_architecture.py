@@ -1,6 +1,7 @@
 """The package's shape, as pyproject.toml's import-linter contracts state it: workers import
 rollout_service and never the reverse, rollout_service's packages are layered by role, the pipeline's
 stages do not import each other, and no modules or packages import each other in a circle."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("lint-imports")), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_every_import_contract_is_kept() -> None:

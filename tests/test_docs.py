@@ -1,4 +1,5 @@
 """The reference pages in docs/ agree with the code: error codes, metric names, settings named."""
+
 from __future__ import annotations
 
 import inspect
@@ -7,8 +8,8 @@ import re
 from pathlib import Path
 
 from rollout_service import errors
-from rollout_service.state.metrics_recording import COUNTERS, HISTOGRAMS
 from rollout_service.settings import Settings
+from rollout_service.state.metrics_recording import COUNTERS, HISTOGRAMS
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_CODES = {"method_not_allowed": 405}  # answered by the gateway itself, no class of errors.py
@@ -16,14 +17,18 @@ GATEWAY_CODES = {"method_not_allowed": 405}  # answered by the gateway itself, n
 
 def table_rows(page: str, heading: str) -> list[list[str]]:
     text = (ROOT / page).read_text().split(heading, 1)[1].split("\n## ", 1)[0]
-    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
-            if line.startswith("| `")]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| `")
+    ]
 
 
 def test_the_error_code_table_of_docs_api_md_matches_errors_py() -> None:
     documented = {row[0].strip("`"): (int(row[1]), row[2]) for row in table_rows("docs/api.md", "## Error codes")}
-    classes = [cls for _, cls in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(cls, errors.RolloutError) and "code" in vars(cls)]
+    classes = [
+        cls
+        for _, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.RolloutError) and "code" in vars(cls)
+    ]
     expected = {cls.code: (cls.http_status, cls.__name__) for cls in classes}
     for code, (status, name) in expected.items():
         assert code in documented, f"docs/api.md: error code {code!r} ({name}) is missing from the table"
@@ -38,8 +43,11 @@ def exported_metrics() -> set[str]:
     """Every metric family and sample name GET /metrics can answer (metrics.py and metrics_recording.py)."""
     source = (ROOT / "rollout_service" / "gateway" / "metrics.py").read_text()
     names = set(re.findall(r'"(rollout_[a-z_]+)"', source))
-    names |= {f"rollout_backend_{field}" for field in re.findall(r'\("([a-z_]+)", "[A-Z1]', source)
-              if not field.startswith("rollout_")}  # f"rollout_backend_{field}" of metrics._render_backends
+    names |= {
+        f"rollout_backend_{field}"
+        for field in re.findall(r'\("([a-z_]+)", "[A-Z1]', source)
+        if not field.startswith("rollout_")
+    }  # f"rollout_backend_{field}" of metrics._render_backends
     names |= {f"{name}_total" for name in COUNTERS}
     names |= set(HISTOGRAMS) | {f"{name}_{part}" for name in HISTOGRAMS for part in ("bucket", "sum", "count")}
     return names
@@ -56,10 +64,21 @@ def test_the_grafana_dashboard_and_operations_page_query_only_exported_metrics()
 
 
 SCRIPT_VARIABLES = {  # read by slurm/*.sbatch, or given to a harness / tool inside its sandbox
-    "ROLLOUT_SHARED_DIR", "ROLLOUT_BROKER_REDIS_PORT", "ROLLOUT_REDIS_BIND", "ROLLOUT_REDIS_HOST",
-    "ROLLOUT_REDIS_PORT", "ROLLOUT_REDIS_TLS_CERT", "ROLLOUT_REDIS_TLS_KEY", "ROLLOUT_REDIS_TLS_CA",
-    "ROLLOUT_INIT_SANDBOX", "ROLLOUT_RUN_SANDBOX", "ROLLOUT_EVAL_SANDBOX", "ROLLOUT_INFERENCE_PORT",
-    "ROLLOUT_ANSWER_FILE", "ROLLOUT_WORKSPACE", "ROLLOUT_MESSAGES_FILE",
+    "ROLLOUT_SHARED_DIR",
+    "ROLLOUT_BROKER_REDIS_PORT",
+    "ROLLOUT_REDIS_BIND",
+    "ROLLOUT_REDIS_HOST",
+    "ROLLOUT_REDIS_PORT",
+    "ROLLOUT_REDIS_TLS_CERT",
+    "ROLLOUT_REDIS_TLS_KEY",
+    "ROLLOUT_REDIS_TLS_CA",
+    "ROLLOUT_INIT_SANDBOX",
+    "ROLLOUT_RUN_SANDBOX",
+    "ROLLOUT_EVAL_SANDBOX",
+    "ROLLOUT_INFERENCE_PORT",
+    "ROLLOUT_ANSWER_FILE",
+    "ROLLOUT_WORKSPACE",
+    "ROLLOUT_MESSAGES_FILE",
 }
 
 
@@ -89,4 +108,5 @@ def test_links_between_the_docs_resolve() -> None:
             if fragment and linked.suffix == ".md":
                 headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
                 assert fragment in {anchor(h) for h in headings}, (
-                    f"{page.relative_to(ROOT)} links to {target}: no such heading in {path or page.name}")
+                    f"{page.relative_to(ROOT)} links to {target}: no such heading in {path or page.name}"
+                )

@@ -1,4 +1,5 @@
 """docs/settings.md is generated from rollout_service/settings.py and lists every setting."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,8 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
 def test_docs_settings_md_is_the_generated_table() -> None:
     assert DOC.read_text() == settings.markdown(), (
-        "docs/settings.md is out of date: run .venv/bin/python -m rollout_service.settings --markdown > docs/settings.md")
+        "docs/settings.md is out of date: run .venv/bin/python -m rollout_service.settings --markdown > docs/settings.md"
+    )
 
 
 def test_every_setting_has_a_row_with_its_meaning() -> None:

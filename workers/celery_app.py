@@ -3,19 +3,20 @@
 Tasks, queues and kombu keys are named in workers/dispatch.py only. Reliability settings follow docs/architecture.md: late acks, reject on worker loss, prefetch 1, and a
 visibility timeout above the longest job deadline, set identically everywhere.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import gc
-import logging
 import importlib
+import logging
 import resource
-import socket
 import threading
 import time
+from collections.abc import Iterator
 from queue import Empty
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import redis
 from celery import Celery
@@ -34,7 +35,9 @@ HEARTBEAT_INTERVAL_S = 5
 WARM_INTERVAL_S = 2
 GC_CHECK_S = 1.0
 BROKER_SPARE_CONNECTIONS = 32  # the consumer's BRPOP, remote control, publishing the next stage
-DESCRIPTORS_PER_SLOT = 6  # an episode's LLM and broker connections, its sandbox's socket, status pipe, log and uid lease
+DESCRIPTORS_PER_SLOT = (
+    6  # an episode's LLM and broker connections, its sandbox's socket, status pipe, log and uid lease
+)
 SPARE_DESCRIPTORS = 512  # Redis and broker pools, the fork server, libraries, logs
 worker_slots = 0  # this worker's --concurrency (the largest of --autoscale); 0 outside a worker
 consumer_qos: Any = None  # this worker's prefetch window (kombu.common.QoS), once it consumes
@@ -59,7 +62,7 @@ class Transport(kombu_redis.Transport):
     Channel = _Channel
 
 
-def create_app(settings: Optional[Settings] = None) -> Celery:
+def create_app(settings: Settings | None = None) -> Celery:
     """The Celery app of every process, configured from ``settings``, or else from this process's
     settings when its configuration is first used (importing this module needs no Redis). The
     module's ``app`` is that one: the celery CLI (``-A workers.celery_app``) and the task modules
@@ -111,8 +114,10 @@ def _size_to_slots(conf: object, options: dict, **_: object) -> None:
     slots = max([int(options.get("concurrency") or 0), *(int(n) for n in autoscale if str(n).strip())])
     global worker_slots
     worker_slots = slots
-    conf.broker_transport_options = {**conf.broker_transport_options,  # type: ignore[attr-defined]
-                                     "max_connections": slots + BROKER_SPARE_CONNECTIONS}
+    conf.broker_transport_options = {
+        **conf.broker_transport_options,  # type: ignore[attr-defined]
+        "max_connections": slots + BROKER_SPARE_CONNECTIONS,
+    }
     _raise_open_file_limit(slots)
 
 
@@ -125,18 +130,33 @@ def _raise_open_file_limit(slots: int) -> None:
     if resource.RLIM_INFINITY not in (soft, hard) and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if hard != resource.RLIM_INFINITY and hard < needed:
-        log.warning("this worker may open %d files at most (ulimit -Hn) and its concurrency of %d needs ~%d; "
-                    "raise the hard limit or lower --concurrency", hard, slots, needed)
+        log.warning(
+            "this worker may open %d files at most (ulimit -Hn) and its concurrency of %d needs ~%d; "
+            "raise the hard limit or lower --concurrency",
+            hard,
+            slots,
+            needed,
+        )
 
 
 # What a worker of each queue imports before it serves (prefork children inherit it; nothing is
 # imported in the middle of the first jobs), and the objects gc.freeze() then takes out of the
 # collector's sight.
-PRELOAD = {"init": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2",
-                    "rollout_service.concurrency.autopipeline"),
-           "run": ("transformers.PreTrainedTokenizerFast", "transformers.AutoTokenizer", "jinja2",
-                   "rollout_service.concurrency.autopipeline"),
-           "eval": ("math_verify", "rollout_service.concurrency.autopipeline")}
+PRELOAD = {
+    "init": (
+        "transformers.PreTrainedTokenizerFast",
+        "transformers.AutoTokenizer",
+        "jinja2",
+        "rollout_service.concurrency.autopipeline",
+    ),
+    "run": (
+        "transformers.PreTrainedTokenizerFast",
+        "transformers.AutoTokenizer",
+        "jinja2",
+        "rollout_service.concurrency.autopipeline",
+    ),
+    "eval": ("math_verify", "rollout_service.concurrency.autopipeline"),
+}
 
 
 @celeryd_init.connect
@@ -177,7 +197,7 @@ def _wake_soon_when_paused() -> None:
             try:  # window full: look briefly, then hand control back so pending acks go out
                 return original(self, callback, PAUSED_POLL_S)
             except Empty:
-                raise socket.timeout() from None
+                raise TimeoutError() from None
         return original(self, callback, timeout)
 
     get._rollout_patched = True  # type: ignore[attr-defined]
@@ -190,8 +210,8 @@ _wake_soon_when_paused()
 def warm_renderers(client: redis.Redis) -> None:
     """Load the tokenizer of every registered backend before a job needs it: the first job of a
     worker otherwise waits ~20 ms per tokenizer, once per worker process."""
-    from rollout_service.state.backends import BackendPool
     from rollout_service.runtime.tokens import renderer_for
+    from rollout_service.state.backends import BackendPool
 
     for tokenizer in {b.tokenizer for b in BackendPool(client).list() if b.tokenizer}:
         try:

@@ -3,6 +3,7 @@
 Every control worker runs housekeeping on a timer; a Redis lock makes one of them do it per
 interval, so adding control workers adds no duplicate probes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,15 +12,15 @@ import shutil
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import redis
 from celery.signals import worker_ready
 
-from rollout_service.state.backends import BackendPool
 from rollout_service.errors import StoreUnavailable
 from rollout_service.schemas import TERMINAL_STATUSES, JobStatus
 from rollout_service.settings import get_settings
+from rollout_service.state.backends import BackendPool
 from rollout_service.state.store import JobStore, broker_client
 from workers import dispatch
 from workers.celery_app import app
@@ -67,8 +68,12 @@ def remove_ended_workspaces(store: JobStore) -> list[str]:
     return ended
 
 
-ORPHAN_FIELDS = ("status", "created_at", "first_stage", *(field for stage in dispatch.STAGES
-                                           for field in (f"{stage}_start", f"{stage}_end", f"attempts_{stage}")))
+ORPHAN_FIELDS = (
+    "status",
+    "created_at",
+    "first_stage",
+    *(field for stage in dispatch.STAGES for field in (f"{stage}_start", f"{stage}_end", f"attempts_{stage}")),
+)
 
 
 def recover_orphans(store: JobStore) -> list[str]:
@@ -106,10 +111,15 @@ def recover_orphans(store: JobStore) -> list[str]:
     lost: dict[str, str] = {}
     # the broker scan reads every queued message: at most once per lease TTL, however deep the backlog
     if unsent and store.redis.set(LOST_SCAN_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
-        present = dispatch.messages_present(broker_client(store.redis), [dispatch.stage_mark(j, s) for j, s in unsent.items()])
+        present = dispatch.messages_present(
+            broker_client(store.redis), [dispatch.stage_mark(j, s) for j, s in unsent.items()]
+        )
         lost = {j: s for j, s in unsent.items() if dispatch.stage_mark(j, s) not in present}
     claims = {  # once per delivery for a dead worker: its message stays unacked for hours
-        **{j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker") for j, (s, attempts) in crashed.items()},
+        **{
+            j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker")
+            for j, (s, attempts) in crashed.items()
+        },
         # a lost message: the broker holds the new one from now on, so the next scan sees it
         **{j: (s, f"recovery:{s}:lost", int(patience_s) + 1, "message") for j, s in lost.items()},
     }
@@ -125,7 +135,7 @@ def recover_orphans(store: JobStore) -> list[str]:
     return recovered
 
 
-def waiting_stage(fields: dict[str, str]) -> Optional[tuple[str, float, bool]]:
+def waiting_stage(fields: dict[str, str]) -> tuple[str, float, bool] | None:
     """The stage the job waits on: (stage, waiting since, whether a worker had started it)."""
     if fields["status"] == JobStatus.queued.value:  # at the stage it was enqueued to (tasks.first_stage)
         return fields.get("first_stage", "init"), float(fields["created_at"]), False
@@ -163,9 +173,12 @@ def _start_housekeeping(sender: Any, **_: Any) -> None:
     threading.Thread(target=loop, name="housekeeping", daemon=True).start()
 
 
-@app.task(name=dispatch.BATCH_MEMBER_DONE_TASK,
-          autoretry_for=(StoreUnavailable, redis.ConnectionError, redis.TimeoutError),
-          retry_backoff=True, max_retries=8)
+@app.task(
+    name=dispatch.BATCH_MEMBER_DONE_TASK,
+    autoretry_for=(StoreUnavailable, redis.ConnectionError, redis.TimeoutError),
+    retry_backoff=True,
+    max_retries=8,
+)
 def batch_member_done(job_id: str) -> str:
     """A member of a batch reached a terminal state: decide its group, top the batch up, cancel
     what the batch no longer needs (see rollout_service.state.batches)."""

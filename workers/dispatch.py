@@ -8,6 +8,7 @@ for ``handoff_window_ms`` into one message. Everything else (gateway routes, bat
 control worker) asks this module to enqueue or announce. Importing it registers the batch
 event with the job store (``JobStore.finish`` then announces a batch member's end here).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,13 @@ import math
 import os
 import threading
 import time
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import redis
 
-from rollout_service.state import store as job_store_module
 from rollout_service.errors import UnknownName
 from rollout_service.settings import get_settings
+from rollout_service.state import store as job_store_module
 from rollout_service.state.store import STAGES
 from workers.celery_app import HEARTBEAT_KEY_PREFIX, app
 
@@ -79,11 +80,17 @@ def send_stage(stage: str, job_ids: Sequence[str]) -> None:
     size = max(get_settings().stage_batch_max_jobs, 1)
     with app.producer_or_acquire() as producer:
         for start in range(0, len(job_ids), size):
-            chunk = list(job_ids[start:start + size])
+            chunk = list(job_ids[start : start + size])
             marks = [stage_mark(job_id, stage) for job_id in chunk]
             task_id = marks[0] if len(chunk) == 1 else f"{marks[0]}+{len(chunk) - 1}"  # as Flower lists it
-            app.send_task(TASK_NAMES[stage], args=(chunk,), queue=stage, producer=producer, task_id=task_id,
-                          headers={JOBS_HEADER: marks})
+            app.send_task(
+                TASK_NAMES[stage],
+                args=(chunk,),
+                queue=stage,
+                producer=producer,
+                task_id=task_id,
+                headers={JOBS_HEADER: marks},
+            )
 
 
 def enqueue_jobs(job_ids: Iterable[str], stage: str) -> None:
@@ -127,7 +134,10 @@ class Handoff:
             jobs, published = self._pending.setdefault(stage, ([], threading.Event()))
             jobs.append(job_id)
             now = time.monotonic()
-            if len(jobs) < self.max_jobs and now - self._last_sent.get(stage, -math.inf) < QUIET_WINDOWS * self.window_s:
+            if (
+                len(jobs) < self.max_jobs
+                and now - self._last_sent.get(stage, -math.inf) < QUIET_WINDOWS * self.window_s
+            ):
                 self._wake.set()
                 return published
             del self._pending[stage]
@@ -153,13 +163,12 @@ class Handoff:
         try:
             send_stage(stage, jobs)
         except Exception:  # the broker is away: housekeeping re-sends jobs no message carries
-            log.warning("could not hand %d jobs to %s; housekeeping will re-send them", len(jobs), stage,
-                        exc_info=True)
+            log.warning("could not hand %d jobs to %s; housekeeping will re-send them", len(jobs), stage, exc_info=True)
         finally:
             published.set()
 
 
-_handoff: Optional[Handoff] = None
+_handoff: Handoff | None = None
 
 
 def handoff() -> Handoff:
@@ -200,8 +209,11 @@ def messages_present(client: redis.Redis, marks: list[str]) -> set[str]:
     matches come back from the server."""
     wanted, found = list(marks), set()
     script = client.register_script(_MESSAGES_PRESENT)
-    for key in [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
-                for queue in QUEUES for step in (0, *KOMBU_PRIORITY_STEPS)]:
+    for key in [
+        f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
+        for queue in QUEUES
+        for step in (0, *KOMBU_PRIORITY_STEPS)
+    ]:
         start = 0
         while wanted:
             hits, seen = script(keys=[key], args=[start, start + SCAN_CHUNK - 1, *wanted])
@@ -228,8 +240,9 @@ def queue_lengths(client: redis.Redis) -> dict[str, dict[str, int]]:
     pipe.hvals(KOMBU_UNACKED)
     replies = pipe.execute()
     per_queue = 1 + len(KOMBU_PRIORITY_STEPS)
-    lengths = {q: {"queued": sum(replies[i * per_queue:(i + 1) * per_queue]), "unacked": 0}
-               for i, q in enumerate(QUEUES)}
+    lengths = {
+        q: {"queued": sum(replies[i * per_queue : (i + 1) * per_queue]), "unacked": 0} for i, q in enumerate(QUEUES)
+    }
     for raw in replies[-1]:
         try:
             routing_key = json.loads(raw)[2]

@@ -1,4 +1,5 @@
 """eval queue: score the artifact against ground truth (code runs in a fresh sandbox)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,8 @@ import time
 import redis
 
 from rollout_service.errors import RolloutError, StoreUnavailable
-from rollout_service.schemas import JobRequest, ScoreRequest
 from rollout_service.runtime.scoring import complete_scored
+from rollout_service.schemas import JobRequest, ScoreRequest
 from rollout_service.state.store import with_field
 from rollout_service.tasks import get_handler
 from workers import dispatch
@@ -24,8 +25,11 @@ def eval_jobs(job_ids: list[str]) -> None:
 
 
 def score_job(ctx: StageContext) -> None:
-    request, artifact, stored = JobRequest.model_validate(ctx.blob("request")), ctx.blob("artifact"), \
-        ctx.raw_blob("trajectory")
+    request, artifact, stored = (
+        JobRequest.model_validate(ctx.blob("request")),
+        ctx.blob("artifact"),
+        ctx.raw_blob("trajectory"),
+    )
     scored = get_handler(request.task["domain"]).score(request.task, artifact)
     # the trajectory as run stored it, byte for byte, but the reward
     ctx.results["trajectory"] = with_field(stored, "reward", scored.reward)
@@ -35,8 +39,7 @@ def score_job(ctx: StageContext) -> None:
 TRANSIENT = (StoreUnavailable, redis.ConnectionError, redis.TimeoutError)
 
 
-@app.task(name=dispatch.SCORE_TASK, autoretry_for=TRANSIENT, retry_backoff=0.5, retry_backoff_max=5,
-          max_retries=6)
+@app.task(name=dispatch.SCORE_TASK, autoretry_for=TRANSIENT, retry_backoff=0.5, retry_backoff_max=5, max_retries=6)
 def score_submission(score_id: str) -> None:
     """``POST /v1/score``: the eval stage alone, on a submission the caller provides. A Redis blip
     retries the task (the gateway is still waiting); only the scoring itself can fail it."""

@@ -7,6 +7,7 @@ ends them in one (``end_stages``), or, in eval, each as soon as it is graded; th
 jobs in a process are renewed together by one keeper thread. Tasks end SUCCESS in Celery's eyes
 whatever happened to their jobs (a job's status is the record).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,15 +18,16 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 from celery.worker import state as worker_state
 
 from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError, SandboxError
-from rollout_service.state.metrics_recording import Increments
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
+from rollout_service.state.metrics_recording import Increments
 from rollout_service.state.store import BeginCall, JobStore, StageEnd, redis_client, unpack
 from workers import celery_app, dispatch
 
@@ -36,7 +38,7 @@ PREVIOUS_STATUS = {"init": JobStatus.queued, "run": JobStatus.initializing, "eva
 # a job of a domain that prepares cheaply skips init: run begins it from queued and stamps init_start
 BEGINS_SKIPPING = {"run": (JobStatus.queued, "init_start")}
 STAGE_READS = {"init": ("request",), "run": ("request", "prepared"), "eval": ("request", "artifact", "trajectory")}
-Begun = tuple[str, list[str], dict[str, Optional[bytes]]]  # JobStore.begin_stages, per job
+Begun = tuple[str, list[str], dict[str, bytes | None]]  # JobStore.begin_stages, per job
 
 
 class SkipStage(Exception):
@@ -52,9 +54,9 @@ class StageContext:
     deadline_at: float
     attempt: int = 1
     rollout_index: int = 0
-    blobs: dict[str, Optional[bytes]] = field(default_factory=dict)
+    blobs: dict[str, bytes | None] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)  # blobs stored with the stage's end
-    finish_as: Optional[tuple[JobStatus, dict[str, Any]]] = None  # a terminal move made with them
+    finish_as: tuple[JobStatus, dict[str, Any]] | None = None  # a terminal move made with them
     end_fields: dict[str, Any] = field(default_factory=dict)  # job fields set with the stage's end
 
     def remaining_s(self) -> float:
@@ -131,8 +133,9 @@ def _host() -> str:
 
 
 @contextlib.contextmanager
-def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
-          ended: list[StageEnd]) -> Iterator[StageContext]:
+def stage(
+    store: JobStore, job_id: str, name: str, begun: Begun, owner: str, ended: list[StageEnd]
+) -> Iterator[StageContext]:
     """Run a stage body at most once at a time per job; end the job on any failure. ``begun`` is
     what ``JobStore.begin_stages`` answered for it; what ``end_stages`` must do is added to ``ended``."""
     settings = store.settings
@@ -151,15 +154,17 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
     deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
     leases.hold(job_id, owner)
     ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index, blobs)
-    end: Optional[StageEnd] = StageEnd(job_id, owner)
+    end: StageEnd | None = StageEnd(job_id, owner)
     try:
         if attempts > settings.max_redeliveries:
             raise RedeliveryLimit(
                 f"{name} of job {job_id} was delivered {attempts} times without finishing "
-                f"(worker crashes?); giving up. Raise ROLLOUT_MAX_REDELIVERIES to allow more.")
+                f"(worker crashes?); giving up. Raise ROLLOUT_MAX_REDELIVERIES to allow more."
+            )
         if ctx.remaining_s() <= 0:
-            raise DeadlineExceeded(f"job deadline passed before {name} started; "
-                                   "raise timeouts.job_s or add workers for this queue")
+            raise DeadlineExceeded(
+                f"job deadline passed before {name} started; raise timeouts.job_s or add workers for this queue"
+            )
         yield ctx
         assert end is not None
         end.fields, end.blobs, end.finish = {f"{name}_end": time.time(), **ctx.end_fields}, ctx.results, ctx.finish_as
@@ -184,7 +189,7 @@ def stage(store: JobStore, job_id: str, name: str, begun: Begun, owner: str,
             ended.append(end)
 
 
-def mark_trajectory_cancelled(store: JobStore, job_id: str, trajectory: Optional[dict[str, Any]]) -> None:
+def mark_trajectory_cancelled(store: JobStore, job_id: str, trajectory: dict[str, Any] | None) -> None:
     """A job that ends cancelled has a trajectory that says so (its turns kept), whatever ended
     the episode first: the job's view and its trajectory agree."""
     if trajectory is not None and trajectory.get("finish_reason") != FinishReason.cancelled.value:
@@ -201,18 +206,31 @@ def _end_failed(store: JobStore, job_id: str, name: str, exc: Exception) -> None
         store.finish(job_id, JobStatus.failed, exc)
 
 
-def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageContext], None],
-                   end_each: bool = False, calls: Optional[dict[str, BeginCall]] = None) -> list[str]:
+def run_stage_jobs(
+    job_ids: Sequence[str],
+    name: str,
+    body: Callable[[StageContext], None],
+    end_each: bool = False,
+    calls: dict[str, BeginCall] | None = None,
+) -> list[str]:
     """Stage ``name`` for each job in turn, with one round trip to begin them all and one to end
     them all (``end_each``: one per job, as soon as its body returns, for a stage whose jobs take
     long enough that a finished one should not wait for the rest of its message); the jobs still
     live go on to the next stage. ``calls``: what a job's begin also does (``JobStore.begin_stages``).
     Returns those, once published there."""
     store, owner = job_store(), new_owner()
-    begun = store.begin_stages(list(job_ids), name, PREVIOUS_STATUS[name], STAGE_STATUS[name], owner,
-                               STAGE_READS[name], BEGINS_SKIPPING.get(name), calls)
+    begun = store.begin_stages(
+        list(job_ids),
+        name,
+        PREVIOUS_STATUS[name],
+        STAGE_STATUS[name],
+        owner,
+        STAGE_READS[name],
+        BEGINS_SKIPPING.get(name),
+        calls,
+    )
     ended: list[StageEnd] = []
-    statuses: list[Optional[JobStatus]] = []
+    statuses: list[JobStatus | None] = []
     finished = Increments()  # the metrics of the jobs that ended: one write for the message
     for job_id, answer in zip(job_ids, begun):
         try:
@@ -221,16 +239,17 @@ def run_stage_jobs(job_ids: Sequence[str], name: str, body: Callable[[StageConte
         except SkipStage as reason:
             log.info("%s", reason)
         if end_each:
-            statuses += store.end_stages(ended[len(statuses):], finished)
-    statuses += store.end_stages(ended[len(statuses):], finished)
+            statuses += store.end_stages(ended[len(statuses) :], finished)
+    statuses += store.end_stages(ended[len(statuses) :], finished)
     finished.write(store.redis, "job")
-    going_on = [end.job_id for end, status in zip(ended, statuses)
-                if status is not None and status not in TERMINAL_STATUSES]
+    going_on = [
+        end.job_id for end, status in zip(ended, statuses) if status is not None and status not in TERMINAL_STATUSES
+    ]
     wait_published([hand_on(job_id, name) for job_id in going_on])
     return going_on
 
 
-def hand_on(job_id: str, name: str) -> Optional[threading.Event]:
+def hand_on(job_id: str, name: str) -> threading.Event | None:
     """Hand a job that finished stage ``name`` to the next stage (set once published)."""
     following = dispatch.STAGES.index(name) + 1
     if following == len(dispatch.STAGES):
@@ -238,7 +257,7 @@ def hand_on(job_id: str, name: str) -> Optional[threading.Event]:
     return dispatch.handoff().put(dispatch.STAGES[following], job_id)
 
 
-def wait_published(published: Sequence[Optional[threading.Event]]) -> None:
+def wait_published(published: Sequence[threading.Event | None]) -> None:
     for event in published:
         if event is not None:
             event.wait()

@@ -1,5 +1,6 @@
 """What gunicorn serves: ``gunicorn 'workers.wsgi:create_app()'``, the gateway enqueueing through
 workers.dispatch."""
+
 from __future__ import annotations
 
 from flask import Flask

@@ -11,10 +11,12 @@ through (they would hold every other caller's reply hostage). A plain pipeline j
 round trip too (``SharedPipeline``); ``fire`` queues a script call whose reply nobody needs (the
 end of an LLM call's accounting) without waiting for it, in order with the calls after it.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 from redis.commands.core import Script
@@ -22,15 +24,32 @@ from redis.exceptions import NoScriptError
 
 log = logging.getLogger(__name__)
 
-BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BRPOPLPUSH", "BLMOVE", "BLMPOP", "BZPOPMIN", "BZPOPMAX",
-                               "BZMPOP", "XREAD", "XREADGROUP", "WAIT", "WAITAOF", "SUBSCRIBE", "PSUBSCRIBE"})
+BLOCKING_COMMANDS = frozenset(
+    {
+        "BLPOP",
+        "BRPOP",
+        "BRPOPLPUSH",
+        "BLMOVE",
+        "BLMPOP",
+        "BZPOPMIN",
+        "BZPOPMAX",
+        "BZMPOP",
+        "XREAD",
+        "XREADGROUP",
+        "WAIT",
+        "WAITAOF",
+        "SUBSCRIBE",
+        "PSUBSCRIBE",
+    }
+)
 
 
 class _Waiter:
     __slots__ = ("args", "options", "event", "reply", "error", "script")
 
-    def __init__(self, args: tuple[Any, ...], options: dict[str, Any], event: Any,
-                 script: Optional[Script] = None) -> None:
+    def __init__(
+        self, args: tuple[Any, ...], options: dict[str, Any], event: Any, script: Script | None = None
+    ) -> None:
         self.args, self.options, self.event, self.script = args, options, event, script
         self.reply: Any = None
         self.error: BaseException | None = None
@@ -48,7 +67,7 @@ class AutoPipelineRedis(redis.Redis):
     def execute_command(self, *args: Any, **options: Any) -> Any:
         if str(args[0]).upper() in BLOCKING_COMMANDS:
             return super().execute_command(*args, **options)
-        reply, = self.run_together([(args, options)])
+        (reply,) = self.run_together([(args, options)])
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -59,13 +78,18 @@ class AutoPipelineRedis(redis.Redis):
             return super().pipeline(transaction, shard_hint)
         return SharedPipeline(self)
 
-    def run_together(self, commands: list[tuple[tuple[Any, ...], dict[str, Any]]], scripts: Sequence[Script] = (),
-                     wait: bool = True) -> list[Any]:
+    def run_together(
+        self, commands: list[tuple[tuple[Any, ...], dict[str, Any]]], scripts: Sequence[Script] = (), wait: bool = True
+    ) -> list[Any]:
         """Queue ``commands`` back to back (the same shared round trip carries them all, in order);
         their replies (exceptions in place), or nothing at once when not ``wait``."""
         script_of = {script.sha: script for script in scripts}
-        waiters = [_Waiter(args, options, _new_event() if wait else None,
-                           script_of.get(args[1]) if args[0] == "EVALSHA" else None) for args, options in commands]
+        waiters = [
+            _Waiter(
+                args, options, _new_event() if wait else None, script_of.get(args[1]) if args[0] == "EVALSHA" else None
+            )
+            for args, options in commands
+        ]
         self._enqueue(waiters)
         if not wait:
             return []
@@ -84,6 +108,7 @@ class AutoPipelineRedis(redis.Redis):
             if waiter.error is not None:
                 raise waiter.error
             return waiter.reply
+
         return reply
 
     def submit_commands(self, commands: Sequence[tuple[Any, ...]]) -> Callable[[], list[Any]]:
@@ -96,6 +121,7 @@ class AutoPipelineRedis(redis.Redis):
         def replies() -> list[Any]:
             event.wait()
             return [waiter.error if waiter.error is not None else waiter.reply for waiter in waiters]
+
         return replies
 
     def fire(self, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> None:
@@ -132,7 +158,9 @@ class AutoPipelineRedis(redis.Redis):
                 else:
                     for waiter, reply in zip(batch, replies):
                         if isinstance(reply, NoScriptError) and waiter.script is not None:
-                            reply = self._run_unknown_script(waiter.script, waiter)  # the server lost it (restart, flush)
+                            reply = self._run_unknown_script(
+                                waiter.script, waiter
+                            )  # the server lost it (restart, flush)
                         if isinstance(reply, Exception):
                             waiter.error = reply
                         else:
@@ -164,7 +192,9 @@ def _new_event() -> Any:
     return Event()
 
 
-def submit(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Callable[[], Any]:
+def submit(
+    client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: Sequence[Any] = ()
+) -> Callable[[], Any]:
     """Start ``script`` now and take its reply later where the client can (AutoPipelineRedis: it
     rides the next shared round trip); elsewhere it runs at once."""
     if isinstance(client, AutoPipelineRedis):
@@ -176,6 +206,7 @@ def submit(client: redis.Redis, script: Script, keys: Sequence[Any] = (), args: 
 
         def failed() -> Any:
             raise error
+
         return failed
     return lambda: reply
 

@@ -1,4 +1,5 @@
 """Background work that works the same in threads and in gevent's green workers."""
+
 from __future__ import annotations
 
 import gc
@@ -6,8 +7,8 @@ import select
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
-
+from collections.abc import Callable
+from typing import Any
 
 GREEN_MODULES = ("socket", "threading", "subprocess")  # what the green code paths rely on gevent for
 
@@ -47,7 +48,7 @@ def after_live_work(cap_s: float) -> None:
         gevent.idle()
 
 
-def wait_ready(fd: Any, timeout_s: Optional[float], events: int = select.POLLIN) -> bool:
+def wait_ready(fd: Any, timeout_s: float | None, events: int = select.POLLIN) -> bool:
     """Whether ``fd`` (a number or an object with ``fileno()``) is ready for ``events`` (readable, or
     at its end, by default) within ``timeout_s`` (None: no limit). ``poll``, not ``select``, which
     refuses fd numbers from 1024 on (a worker with hundreds of sandboxes holds more); gevent's poll
@@ -78,7 +79,9 @@ class IdleCollector:
 
     def tick(self) -> bool:
         now = time.monotonic()
-        allocated = gc.get_count()[0]  # tracked objects made and still alive since the last pass (counted while disabled)
+        allocated = gc.get_count()[
+            0
+        ]  # tracked objects made and still alive since the last pass (counted while disabled)
         if now - self.collected_at < self.max_interval_s and not (self.is_idle() and allocated >= IDLE_MIN_ALLOCATIONS):
             return False
         gc.collect()

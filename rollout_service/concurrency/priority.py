@@ -7,12 +7,13 @@ the sandboxes' fork server) still competes with every other session as an equal.
 autogroup nice (``/proc/self/autogroup``) is what ranks it among sessions. Stdlib only: the
 sandboxes' fork server imports it.
 """
+
 from __future__ import annotations
 
 import errno
 import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
 AUTOGROUP_OF_PROCESS = "/proc/{pid}/autogroup"

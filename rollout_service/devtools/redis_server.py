@@ -3,6 +3,7 @@
 It is private to the user who starts it: a generated password (kept 0600 in its directory), its
 files 0600 in a 0700 directory, the commands that reconfigure or wipe a server disabled, and, when
 started by root through sudo, run as the invoking user."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,17 +13,30 @@ import shutil
 import socket
 import subprocess
 import time
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlencode
 
 import redis
 
 from rollout_service.errors import ConfigError
 
-DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "REPLICAOF", "SLAVEOF", "FLUSHALL", "SHUTDOWN", "MONITOR",
-                     "SYNC", "PSYNC", "MIGRATE", "ACL")
+DISABLED_COMMANDS = (
+    "CONFIG",
+    "DEBUG",
+    "MODULE",
+    "REPLICAOF",
+    "SLAVEOF",
+    "FLUSHALL",
+    "SHUTDOWN",
+    "MONITOR",
+    "SYNC",
+    "PSYNC",
+    "MIGRATE",
+    "ACL",
+)
 PASSWORD_FILE = "password"
 CONFIG_FILE = "redis.conf"
 
@@ -56,7 +70,7 @@ def write_private(path: Path, text: str) -> None:
         handle.write(text)
 
 
-def invoking_user() -> Optional[tuple[int, int]]:
+def invoking_user() -> tuple[int, int] | None:
     """(uid, gid) of the user who ran ``sudo``, when this process is root started through sudo."""
     if os.geteuid() != 0 or not os.environ.get("SUDO_UID", "").isdigit():
         return None
@@ -67,6 +81,7 @@ def invoking_user() -> Optional[tuple[int, int]]:
 @dataclass(frozen=True)
 class TLSFiles:
     """The server's certificate and key, and the CA that clients check it against."""
+
     cert: Path
     key: Path
     ca: Path
@@ -74,8 +89,10 @@ class TLSFiles:
     def __post_init__(self) -> None:
         for name in ("cert", "key", "ca"):
             if not Path(getattr(self, name)).is_file():
-                raise ConfigError(f"TLS {name} file {getattr(self, name)} does not exist: give the paths of "
-                                  "the server's certificate, its key and the CA certificate clients trust")
+                raise ConfigError(
+                    f"TLS {name} file {getattr(self, name)} does not exist: give the paths of "
+                    "the server's certificate, its key and the CA certificate clients trust"
+                )
 
 
 class RedisServer:
@@ -84,8 +101,15 @@ class RedisServer:
     ``bind`` is the address it listens on (loopback by default), ``host`` the name clients use in
     its URL; with ``tls`` it serves TLS only and its URL is ``rediss://``."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, bind: str = "127.0.0.1",
-                 host: str | None = None, tls: TLSFiles | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        bind: str = "127.0.0.1",
+        host: str | None = None,
+        tls: TLSFiles | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -118,14 +142,29 @@ class RedisServer:
             existing.chmod(0o700 if existing.is_dir() else 0o600)
         listen = [f"port {self.port}"]
         if self.tls:
-            listen = ["port 0", f"tls-port {self.port}", f'tls-cert-file "{Path(self.tls.cert).resolve()}"',
-                      f'tls-key-file "{Path(self.tls.key).resolve()}"',
-                      f'tls-ca-cert-file "{Path(self.tls.ca).resolve()}"', "tls-auth-clients no"]
-        lines = [f"requirepass {self.password}", *listen, f"bind {self.bind}", "protected-mode yes",
-                 f'dir "{self.data_dir}"', "maxmemory-policy noeviction",
-                 f"appendonly {'yes' if self.appendonly else 'no'}", "appendfsync everysec", 'save ""',
-                 "daemonize no", "loglevel warning", f'logfile "{self.data_dir / "redis.log"}"',
-                 *(f'rename-command {name} ""' for name in DISABLED_COMMANDS)]
+            listen = [
+                "port 0",
+                f"tls-port {self.port}",
+                f'tls-cert-file "{Path(self.tls.cert).resolve()}"',
+                f'tls-key-file "{Path(self.tls.key).resolve()}"',
+                f'tls-ca-cert-file "{Path(self.tls.ca).resolve()}"',
+                "tls-auth-clients no",
+            ]
+        lines = [
+            f"requirepass {self.password}",
+            *listen,
+            f"bind {self.bind}",
+            "protected-mode yes",
+            f'dir "{self.data_dir}"',
+            "maxmemory-policy noeviction",
+            f"appendonly {'yes' if self.appendonly else 'no'}",
+            "appendfsync everysec",
+            'save ""',
+            "daemonize no",
+            "loglevel warning",
+            f'logfile "{self.data_dir / "redis.log"}"',
+            *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
+        ]
         write_private(self.data_dir / CONFIG_FILE, "\n".join(lines) + "\n")
         return [find_redis_server(), str(self.data_dir / CONFIG_FILE)]
 
@@ -135,11 +174,12 @@ class RedisServer:
         if user:
             for path in [self.data_dir, *self.data_dir.rglob("*")]:
                 os.chown(path, *user)
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_private_as(user), **popen)
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_private_as(user), **popen
+        )
         return self.process
 
-    def start(self, ready_timeout_s: float = 10.0) -> "RedisServer":
+    def start(self, ready_timeout_s: float = 10.0) -> RedisServer:
         self.launch(self.command())
         self.wait_ready(ready_timeout_s)
         return self
@@ -157,7 +197,7 @@ class RedisServer:
                     if self.process.poll() is not None or time.monotonic() > deadline:
                         self.stop()
                         log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
-                        raise ConfigError(f"redis-server did not start on port {self.port}: {log}")
+                        raise ConfigError(f"redis-server did not start on port {self.port}: {log}") from None
                     time.sleep(0.02)
         finally:
             client.close()
@@ -172,16 +212,17 @@ class RedisServer:
                 self.process.wait()
 
 
-def _private_as(user: Optional[tuple[int, int]]) -> Callable[[], None]:
+def _private_as(user: tuple[int, int] | None) -> Callable[[], None]:
     def prepare() -> None:
         os.umask(0o077)
         if user:
             os.setgid(user[1])
             os.setuid(user[0])
+
     return prepare
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run redis-server in the foreground for a cluster (slurm/control.sbatch): its password
     generated into ``--dir`` (0600), its URL written to ``--url-file`` (0600) for the other jobs."""
     parser = argparse.ArgumentParser(prog="python -m rollout_service.devtools.redis_server", description=main.__doc__)

@@ -18,6 +18,7 @@ variant round-robin, so the n rollouts of a GRPO group can answer differently. L
 the variant whose earlier turn texts all occur in the prompt, so give the variants distinct first
 turns.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,8 +26,9 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer
 
@@ -75,6 +77,9 @@ class ClientWatch:
                 raise ClientGone("the client closed its connection")
             if self.sock is not None:  # readable and still open (a next request's bytes): look again later
                 time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+
+
+NO_CLIENT = ClientWatch(None)  # a request without a socket: its client never leaves
 
 
 @dataclass
@@ -198,10 +203,11 @@ def generate_params(body: dict[str, Any], max_tokens: int, seed_key: str, min_to
     if params.temperature < 0 or not 0 < params.top_p <= 1:
         raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
     if not 0 <= params.min_tokens <= params.max_tokens:
-        raise RequestError(f"{min_tokens_key!r} must be in [0, {params.max_tokens}] (the maximum number of new "
-                           f"tokens), got {params.min_tokens}")
+        raise RequestError(
+            f"{min_tokens_key!r} must be in [0, {params.max_tokens}] (the maximum number of new "
+            f"tokens), got {params.min_tokens}"
+        )
     return params
-
 
 
 class ScriptEngine:
@@ -224,11 +230,12 @@ class ScriptEngine:
     def encode(self, text: str) -> list[int]:
         return self.renderer.encode(text)
 
-    def generate(self, prompt_ids: list[int], params: GenerateParams, client: ClientWatch = ClientWatch(None)
-                 ) -> Completion:
+    def generate(self, prompt_ids: list[int], params: GenerateParams, client: ClientWatch = NO_CLIENT) -> Completion:
         if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. "
-                               f"However, your prompt has {len(prompt_ids)} tokens; shorten it")
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {len(prompt_ids)} tokens; shorten it"
+            )
         prompt_text = self.renderer.decode(prompt_ids)
         episode = next((e for e in self.episodes if e["match"] in prompt_text), None)
         if episode is None:
@@ -303,8 +310,9 @@ def _validated_episodes(script: Any) -> list[dict[str, Any]]:
         variants: list[Any] = rotate if isinstance(rotate, list) and rotate else [episode.get("turns")]
         if any(not isinstance(turns, list) or not turns for turns in variants):
             raise bad(f'episode {n} needs a non-empty "turns" list (or "rotate": a list of them)')
-        episodes.append({"match": episode["match"],
-                         "variants": [_validated_turns(turns, n, bad) for turns in variants]})
+        episodes.append(
+            {"match": episode["match"], "variants": [_validated_turns(turns, n, bad) for turns in variants]}
+        )
     return episodes
 
 
@@ -317,4 +325,3 @@ def _validated_turns(turns: list[Any], n: int, bad: Callable[[str], ValueError])
             raise bad(f'turn {k} of episode {n} must be a string or {{"text": ...}}')
         validated.append({"text": turn["text"], "delay_s": float(turn.get("delay_s", 0.0))})
     return validated
-

@@ -8,6 +8,7 @@ logprob is the log-softmax of the raw logits at that position (vLLM's default "r
 penalties, temperature and filtering); generation stops at an eos or stop token, which is included
 in the output.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,11 +17,19 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from rollout_service.devtools.reference_engines import ClientGone, ClientWatch, Completion, GenerateParams, RequestError
+from rollout_service.devtools.reference_engines import (
+    NO_CLIENT,
+    ClientGone,
+    ClientWatch,
+    Completion,
+    GenerateParams,
+    RequestError,
+)
 from rollout_service.runtime.tokens import load_tokenizer
 
 
@@ -40,15 +49,14 @@ class _Pending:
 class _Row:
     """One request of a running batch: its sampler state and what it generated so far."""
 
-    def __init__(self, torch: Any, prompt_ids: list[int], params: GenerateParams, max_tokens: int,
-                 stops: set[int]) -> None:
+    def __init__(
+        self, torch: Any, prompt_ids: list[int], params: GenerateParams, max_tokens: int, stops: set[int]
+    ) -> None:
         self.params = params
         self.prompt_ids = prompt_ids
         self.max_tokens = max_tokens
         self.stops = stops
-        self.generator = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else secrets.randbits(63)
-        )
+        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.tops: list[dict[int, float]] = []
@@ -75,8 +83,13 @@ class _Row:
     def processed(self, torch: Any, logits: Any) -> Any:
         """The logits after logit_bias, min_tokens and the penalties (before temperature)."""
         params = self.params
-        if not (params.logit_bias or len(self.ids) < params.min_tokens or params.repetition_penalty != 1.0
-                or params.presence_penalty or params.frequency_penalty):
+        if not (
+            params.logit_bias
+            or len(self.ids) < params.min_tokens
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+        ):
             return logits
         logits = logits.clone()
         vocabulary = logits.numel()
@@ -88,8 +101,9 @@ class _Row:
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted({t for t in (*self.prompt_ids, *self.ids) if t < vocabulary}), dtype=torch.long)
             values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                       values * params.repetition_penalty)
+            logits[seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
         if self.ids and (params.presence_penalty or params.frequency_penalty):
             counts = torch.bincount(torch.tensor(self.ids), minlength=vocabulary)[:vocabulary].to(logits.dtype)
             logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
@@ -111,8 +125,13 @@ class ModelEngine:
     batches, so every completion comes from one set of weights.
     """
 
-    def __init__(self, model_path: str, tokenizer_path: str | None = None, max_batch_size: int = 32,
-                 batch_window_s: float = 0.005) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        max_batch_size: int = 32,
+        batch_window_s: float = 0.005,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -137,15 +156,12 @@ class ModelEngine:
         threading.Thread(target=self._serve, name="batcher", daemon=True).start()
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompt_ids: list[int], params: GenerateParams, client: ClientWatch = ClientWatch(None)
-                 ) -> Completion:
+    def generate(self, prompt_ids: list[int], params: GenerateParams, client: ClientWatch = NO_CLIENT) -> Completion:
         self._check_prompt(prompt_ids)
         pending = _Pending(prompt_ids, params)
         self._pending.put(pending)
@@ -184,8 +200,9 @@ class ModelEngine:
                 continue
             try:
                 with self._weights_lock:
-                    results = self.generate_batch([p.prompt_ids for p in batch], [p.params for p in batch],
-                                                  [p.is_abandoned for p in batch])
+                    results = self.generate_batch(
+                        [p.prompt_ids for p in batch], [p.params for p in batch], [p.is_abandoned for p in batch]
+                    )
                 for pending, result in zip(batch, results):
                     pending.result = result
             except BaseException as exc:  # handed to every waiting request, answered as a 500
@@ -195,29 +212,36 @@ class ModelEngine:
                 for pending in batch:
                     pending.done.set()
 
-    def generate_batch(self, prompts: list[list[int]], params: list[GenerateParams],
-                       abandoned: list[Callable[[], bool]] | None = None) -> list[Completion]:
+    def generate_batch(
+        self, prompts: list[list[int]], params: list[GenerateParams], abandoned: list[Callable[[], bool]] | None = None
+    ) -> list[Completion]:
         """Generate for all ``prompts`` at once (left padding, one forward per step); a row whose
         ``abandoned()`` turns true leaves the batch (its completion is cut where it was)."""
         abandoned = abandoned or [lambda: False] * len(prompts)
         torch = self.torch
         self.batch_sizes[len(prompts)] += 1
         rows = [
-            _Row(torch, prompt, p, min(p.max_tokens, self.max_model_len - len(prompt)),
-                 set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+            _Row(
+                torch,
+                prompt,
+                p,
+                min(p.max_tokens, self.max_model_len - len(prompt)),
+                set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids),
+            )
             for prompt, p in zip(prompts, params)
         ]
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt):] = torch.tensor(prompt)
-            mask[i, width - len(prompt):] = 1
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         active = list(range(len(prompts)))
         with torch.inference_mode():
-            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+            )
             position = positions[:, -1]
             while True:
                 logits = out.logits[:, -1].float()
@@ -233,8 +257,13 @@ class ModelEngine:
                 mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
                 position = position + 1
                 next_ids = torch.tensor([[rows[i].ids[-1]] for i in active])
-                out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=position[:, None],
-                                 past_key_values=cache, use_cache=True)
+                out = self.model(
+                    input_ids=next_ids,
+                    attention_mask=mask,
+                    position_ids=position[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
         return [row.completion() for row in rows]
 
     def update_weights_from_disk(self, model_path: str) -> str:

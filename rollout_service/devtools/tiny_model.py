@@ -7,13 +7,14 @@ framed as ``<tool_response>`` blocks). ``build_tiny_model`` adds a small random-
 causal LM next to it. Both are idempotent and write atomically (build in a temporary sibling
 directory, then move the files in, the file that marks completeness last, under a file lock).
 """
+
 from __future__ import annotations
 
 import fcntl
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 END_OF_TEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -155,10 +156,7 @@ def tiny_corpus() -> list[str]:
         for a, b in zip(range(3, 90, 7), range(11, 200, 13))
     ]
     products = [f"{a} * {b} = {a * b}" for a in range(2, 12) for b in (3, 7, 12)]
-    chat = [
-        f"{IM_START}user\n{line}{IM_END}\n{IM_START}assistant\n{line}{IM_END}\n"
-        for line in _PROSE.splitlines()
-    ]
+    chat = [f"{IM_START}user\n{line}{IM_END}\n{IM_START}assistant\n{line}{IM_END}\n" for line in _PROSE.splitlines()]
     return [_PROSE, _CODE, _TOOL_TEXT, *arithmetic, "\n".join(products), *chat]
 
 
@@ -279,11 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer-only", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = (
-        build_tiny_tokenizer(args.out_dir)
-        if args.tokenizer_only
-        else build_tiny_model(args.out_dir, seed=args.seed)
-    )
+    path = build_tiny_tokenizer(args.out_dir) if args.tokenizer_only else build_tiny_model(args.out_dir, seed=args.seed)
     print(path)
 
 

@@ -6,6 +6,7 @@ factory; it takes the door to the queues (``Enqueuer``) from its caller, and gun
 rollout_service/gateway/api/ (jobs, backends, batches, ops); this module wires them together with
 authentication and the error answers.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -16,12 +17,12 @@ import redis
 from flask import Flask, Response, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, RequestEntityTooLarge
 
+from rollout_service.errors import RequestTooLarge, RolloutError, StoreUnavailable, Unauthorized
 from rollout_service.gateway.api import backends, batches, jobs, ops
 from rollout_service.gateway.api.common import id_converter, public_paths, reply, route_for_endpoint
 from rollout_service.schemas import validation_message
-from rollout_service.state.enqueue import Enqueuer
-from rollout_service.errors import RequestTooLarge, RolloutError, StoreUnavailable, Unauthorized
 from rollout_service.settings import Settings, get_settings
+from rollout_service.state.enqueue import Enqueuer
 
 log = logging.getLogger(__name__)
 BLUEPRINTS = (ops.blueprint, jobs.blueprint, backends.blueprint, batches.blueprint)
@@ -32,7 +33,7 @@ def create_app(settings: Settings | None = None, *, enqueue: Enqueuer) -> Flask:
     app = Flask(__name__, static_folder=None)
     app.config["SETTINGS"] = settings
     app.config["ENQUEUER"] = enqueue
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_mb * 2 ** 20
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_mb * 2**20
     app.url_map.converters["id"] = id_converter()
     for blueprint in BLUEPRINTS:
         app.register_blueprint(blueprint)
@@ -59,30 +60,43 @@ def create_app(settings: Settings | None = None, *, enqueue: Enqueuer) -> Flask:
 
     @app.errorhandler(RequestEntityTooLarge)
     def _too_large(exc: RequestEntityTooLarge) -> Response:
-        return _rollout_error(RequestTooLarge(
-            f"the request body is over {settings.max_request_mb} MB (ROLLOUT_MAX_REQUEST_MB): send fewer jobs "
-            "per request, or raise ROLLOUT_MAX_REQUEST_MB on the gateway"))
+        return _rollout_error(
+            RequestTooLarge(
+                f"the request body is over {settings.max_request_mb} MB (ROLLOUT_MAX_REQUEST_MB): send fewer jobs "
+                "per request, or raise ROLLOUT_MAX_REQUEST_MB on the gateway"
+            )
+        )
 
     @app.errorhandler(MethodNotAllowed)
     def _wrong_method(exc: MethodNotAllowed) -> Response:
         allowed = ", ".join(sorted(exc.valid_methods or ()))
-        response = reply({"error": {"code": "method_not_allowed",
-                                    "message": f"{request.method} is not served on {request.path}; allowed: {allowed}"}},
-                         405)
+        response = reply(
+            {
+                "error": {
+                    "code": "method_not_allowed",
+                    "message": f"{request.method} is not served on {request.path}; allowed: {allowed}",
+                }
+            },
+            405,
+        )
         response.headers["Allow"] = allowed
         return response
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException) -> Response:
-        return reply({"error": {"code": exc.name.lower().replace(" ", "_"),
-                                "message": exc.description}}, exc.code or 500)
+        return reply(
+            {"error": {"code": exc.name.lower().replace(" ", "_"), "message": exc.description}}, exc.code or 500
+        )
 
     @app.errorhandler(redis.ConnectionError)
     @app.errorhandler(redis.TimeoutError)
     def _redis_down(exc: redis.RedisError) -> Response:
-        return _rollout_error(StoreUnavailable(
-            f"Redis is unreachable or not answering ({type(exc).__name__}: {exc}); check ROLLOUT_REDIS_URL "
-            "and that Redis runs, then retry"))
+        return _rollout_error(
+            StoreUnavailable(
+                f"Redis is unreachable or not answering ({type(exc).__name__}: {exc}); check ROLLOUT_REDIS_URL "
+                "and that Redis runs, then retry"
+            )
+        )
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Response:

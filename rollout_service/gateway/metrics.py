@@ -3,18 +3,20 @@
 Counters and histograms are written by ``metrics_recording`` (one pipelined write per finished
 job or episode); gauges are read here: queue depths, live jobs, sandboxes, backends.
 """
+
 from __future__ import annotations
 
 import json
 import time
 from collections import defaultdict
-from typing import Any, Iterable, cast
+from collections.abc import Iterable
+from typing import Any, cast
 
 import redis
 
+from rollout_service.sandbox.registry import EXPIRY_KEY
 from rollout_service.state.backends import BackendPool
 from rollout_service.state.metrics_recording import COUNTERS, COUNTERS_KEY, HISTOGRAMS, HISTOGRAMS_KEY, labels_text
-from rollout_service.sandbox.registry import EXPIRY_KEY
 from rollout_service.state.store import LIVE_JOBS, PREFIX, as_text, broker_client
 
 QUEUES = ("init", "run", "eval", "control")
@@ -56,7 +58,7 @@ def queue_depths(client: redis.Redis) -> dict[str, tuple[int, int]]:
             pipe.llen(name)
     pipe.hvals(KOMBU_UNACKED_KEY)
     *lengths, unacked = pipe.execute()
-    waiting = {q: sum(lengths[i * 4:(i + 1) * 4]) for i, q in enumerate(QUEUES)}
+    waiting = {q: sum(lengths[i * 4 : (i + 1) * 4]) for i, q in enumerate(QUEUES)}
     reserved: dict[str, int] = defaultdict(int)
     job_stages: list[tuple[str, str]] = []
     for raw in unacked:
@@ -118,19 +120,32 @@ def _render_histograms(out: Exposition, client: redis.Redis) -> None:
 def render(client: redis.Redis) -> str:
     out = Exposition()
     depths = queue_depths(broker_client(client))
-    out.gauge("rollout_queue_length", "Messages waiting in each Celery queue's list.",
-              [(f'queue="{q}"', waiting) for q, (waiting, _) in depths.items()])
-    out.gauge("rollout_queue_reserved_unstarted",
-              "Messages a worker has reserved but not started (control: reserved, started or not).",
-              [(f'queue="{q}"', reserved) for q, (_, reserved) in depths.items()])
-    out.gauge("rollout_queue_depth", "Messages not yet started: waiting plus reserved-but-unstarted.",
-              [(f'queue="{q}"', waiting + reserved) for q, (waiting, reserved) in depths.items()])
-    out.gauge("rollout_live_jobs", "Jobs not yet in a terminal state.",
-              [("", cast(int, client.scard(LIVE_JOBS)))])
-    out.gauge("rollout_sandboxes_alive", "Sandboxes registered (started and not yet stopped or reaped).",
-              [("", cast(int, client.zcard(EXPIRY_KEY)))])
-    out.gauge("rollout_sandboxes_expired", "Registered sandboxes past their expiry, waiting for the reaper.",
-              [("", cast(int, client.zcount(EXPIRY_KEY, "-inf", time.time())))])
+    out.gauge(
+        "rollout_queue_length",
+        "Messages waiting in each Celery queue's list.",
+        [(f'queue="{q}"', waiting) for q, (waiting, _) in depths.items()],
+    )
+    out.gauge(
+        "rollout_queue_reserved_unstarted",
+        "Messages a worker has reserved but not started (control: reserved, started or not).",
+        [(f'queue="{q}"', reserved) for q, (_, reserved) in depths.items()],
+    )
+    out.gauge(
+        "rollout_queue_depth",
+        "Messages not yet started: waiting plus reserved-but-unstarted.",
+        [(f'queue="{q}"', waiting + reserved) for q, (waiting, reserved) in depths.items()],
+    )
+    out.gauge("rollout_live_jobs", "Jobs not yet in a terminal state.", [("", cast(int, client.scard(LIVE_JOBS)))])
+    out.gauge(
+        "rollout_sandboxes_alive",
+        "Sandboxes registered (started and not yet stopped or reaped).",
+        [("", cast(int, client.zcard(EXPIRY_KEY)))],
+    )
+    out.gauge(
+        "rollout_sandboxes_expired",
+        "Registered sandboxes past their expiry, waiting for the reaper.",
+        [("", cast(int, client.zcount(EXPIRY_KEY, "-inf", time.time())))],
+    )
     _render_counters(out, client)
     _render_histograms(out, client)
     _render_backends(out, BackendPool(client))
@@ -143,12 +158,15 @@ def _render_backends(out: Exposition, pool: BackendPool) -> None:
     def labels(b: Any) -> str:
         return labels_text({"backend": b.id, "model": b.model})
 
-    for field, help_text in (("live_assignments", "Rollouts currently assigned to the backend."),
-                             ("healthy", "1 if the backend passes its health probes."),
-                             ("policy_version", "Policy version the backend serves.")):
+    for field, help_text in (
+        ("live_assignments", "Rollouts currently assigned to the backend."),
+        ("healthy", "1 if the backend passes its health probes."),
+        ("policy_version", "Policy version the backend serves."),
+    ):
         out.gauge(f"rollout_backend_{field}", help_text, [(labels(b), float(getattr(b, field))) for b in backends])
     out.family("rollout_backend_assignments_total", "counter", "Rollouts ever assigned to the backend.")
     for b in backends:
         out.sample("rollout_backend_assignments_total", labels(b), b.total_assignments)
-    out.gauge("rollout_backends_paused", "1 while LLM calls are paused for a weight sync.",
-              [("", float(pool.paused()))])
+    out.gauge(
+        "rollout_backends_paused", "1 while LLM calls are paused for a weight sync.", [("", float(pool.paused()))]
+    )

@@ -1,6 +1,7 @@
 """Keeps the service's processes alive, as an init system would: each piece is a child process in
 its own session, logged to a file; one that dies is restarted with backoff (its leftover processes
 killed first); only ``stop()`` ends them, in order: intake, workers, backends and monitoring, Redis."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +9,13 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, TextIO
+from typing import TextIO
 
-from rollout_service.errors import ConfigError
 from rollout_service.concurrency.priority import lower_priority
+from rollout_service.errors import ConfigError
 
 # stop order: what takes jobs in stops first, what the others need stops last
 INTAKE, WORKERS, SERVICES, STORE = range(4)
@@ -28,14 +30,14 @@ class Child:
     command: list[str]
     stop_rank: int = WORKERS
     niceness: int = 0
-    env: Optional[dict[str, str]] = None  # beyond the supervisor's
-    launch: Optional[Callable[..., subprocess.Popen]] = None  # how to start it, if not a plain Popen
-    ready: Optional[Callable[[], None]] = None  # waited for after a restart
-    process: Optional[subprocess.Popen] = None
+    env: dict[str, str] | None = None  # beyond the supervisor's
+    launch: Callable[..., subprocess.Popen] | None = None  # how to start it, if not a plain Popen
+    ready: Callable[[], None] | None = None  # waited for after a restart
+    process: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
     quick_deaths: int = 0
-    restart_at: Optional[float] = None  # set while a dead child waits for its restart
+    restart_at: float | None = None  # set while a dead child waits for its restart
     exit_codes: list[int] = field(default_factory=list)
 
     def alive(self) -> bool:
@@ -45,8 +47,9 @@ class Child:
 class Supervisor:
     """Starts the pieces as separate processes, restarts those that die, stops them in order."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], stop_grace_s: float = 15.0,
-                 report: Optional[TextIO] = None) -> None:
+    def __init__(
+        self, log_dir: Path, env: dict[str, str], stop_grace_s: float = 15.0, report: TextIO | None = None
+    ) -> None:
         self.log_dir = log_dir
         self.env = env
         self.stop_grace_s = stop_grace_s
@@ -54,18 +57,32 @@ class Supervisor:
         self.children: list[Child] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, command: list[str], niceness: int = 0, stop_rank: int = WORKERS,
-              env: Optional[dict[str, str]] = None) -> Child:
+    def start(
+        self,
+        name: str,
+        command: list[str],
+        niceness: int = 0,
+        stop_rank: int = WORKERS,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         child = Child(name, command, stop_rank, niceness, env)
         self._spawn(child)
         self.children.append(child)
         return child
 
-    def adopt(self, name: str, process: subprocess.Popen, command: list[str], stop_rank: int,
-              launch: Callable[..., subprocess.Popen], ready: Callable[[], None]) -> Child:
+    def adopt(
+        self,
+        name: str,
+        process: subprocess.Popen,
+        command: list[str],
+        stop_rank: int,
+        launch: Callable[..., subprocess.Popen],
+        ready: Callable[[], None],
+    ) -> Child:
         """Supervise a process started elsewhere (the embedded Redis), restarted with ``launch``."""
-        child = Child(name, command, stop_rank, launch=launch, ready=ready, process=process,
-                      started_at=time.monotonic())
+        child = Child(
+            name, command, stop_rank, launch=launch, ready=ready, process=process, started_at=time.monotonic()
+        )
         self.children.append(child)
         return child
 
@@ -77,9 +94,14 @@ class Supervisor:
             else:
                 niceness = child.niceness
                 child.process = subprocess.Popen(
-                    child.command, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(child.env or {})},
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                    preexec_fn=(lambda: lower_priority(niceness)) if niceness else None)
+                    child.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**self.env, **(child.env or {})},
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=(lambda: lower_priority(niceness)) if niceness else None,
+                )
         finally:
             log.close()
         child.started_at = time.monotonic()
@@ -91,8 +113,9 @@ class Supervisor:
         """While starting up: a piece that exits is a configuration error, reported with its log."""
         for child in self.children:
             if child.process is not None and child.process.poll() is not None:
-                raise ConfigError(f"{child.name} exited with code {child.process.returncode}; "
-                                  f"last log lines:\n{self.log_tail(child)}")
+                raise ConfigError(
+                    f"{child.name} exited with code {child.process.returncode}; last log lines:\n{self.log_tail(child)}"
+                )
 
     def watch(self) -> None:
         """Once running: restart every piece that died, after a backoff that grows while it keeps dying."""
@@ -105,8 +128,10 @@ class Supervisor:
                 child.quick_deaths = 0 if now - child.started_at >= STABLE_AFTER_S else child.quick_deaths + 1
                 delay = min(FIRST_RESTART_DELAY_S * 2 ** max(child.quick_deaths - 1, 0), MAX_RESTART_DELAY_S)
                 child.restart_at = now + delay
-                self._say(f"{child.name} exited with code {code}; restarting it in {delay:.1f} s "
-                          f"(see {self.log_dir / (child.name + '.log')})")
+                self._say(
+                    f"{child.name} exited with code {code}; restarting it in {delay:.1f} s "
+                    f"(see {self.log_dir / (child.name + '.log')})"
+                )
             if child.restart_at is not None and now >= child.restart_at:
                 child.restart_at = None
                 child.restarts += 1

@@ -3,16 +3,18 @@
 Three failure channels: a tool error is an observation the model sees; a limit ends the
 episode with a finish reason; an infrastructure error raises (the job's status).
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Protocol
 
-from rollout_service.schemas import FinishReason, Trajectory
 from rollout_service.runtime.toolcalls import ToolCall
 from rollout_service.runtime.trajectory import TrajectoryBuilder
+from rollout_service.schemas import FinishReason, Trajectory
 
 
 class EpisodeInterrupted(Exception):
@@ -27,7 +29,7 @@ class EpisodeInterrupted(Exception):
 class Limits:
     max_turns: int
     max_new_tokens: int
-    max_model_len: Optional[int]
+    max_model_len: int | None
     tool_timeout_s: float
     deadline_at: float = math.inf  # time.time() by which the episode must end
 
@@ -35,7 +37,7 @@ class Limits:
 @dataclass
 class Episode:
     trajectory: Trajectory
-    answer: Optional[str]
+    answer: str | None
     final_text: str
 
 
@@ -60,9 +62,9 @@ class Agent:
     renderer: Renderer
     parser: Any
     tools: tuple[str, ...]
-    executor: Optional[Executor]
+    executor: Executor | None
     limits: Limits
-    stop_reason: Callable[[], Optional[FinishReason]] = lambda: None
+    stop_reason: Callable[[], FinishReason | None] = lambda: None
     history: TrajectoryBuilder = field(init=False)
 
     def run(self, prompt_ids: list[int], messages: list[dict[str, Any]]) -> Episode:
@@ -113,5 +115,5 @@ class Agent:
         # a tool's output already carries what the model must see (errors, exit code, timeout notice)
         return self.executor.execute(call.name, call.arguments, timeout_s)["output"] or "[no output]"
 
-    def _end(self, reason: FinishReason, answer: Optional[str] = None, final_text: str = "") -> Episode:
+    def _end(self, reason: FinishReason, answer: str | None = None, final_text: str = "") -> Episode:
         return Episode(self.history.build(reason), answer, final_text)

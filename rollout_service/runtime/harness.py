@@ -10,6 +10,7 @@ does: the history is never re-rendered. Any other conversation is rendered whole
 trajectory segment, so each segment keeps the invariant ``prompt sent == prompt_ids +
 response_ids[:start]``.
 """
+
 from __future__ import annotations
 
 import http.server
@@ -21,25 +22,41 @@ import shlex
 import socketserver
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
-from rollout_service.runtime.agent import Episode, EpisodeInterrupted, Limits
 from rollout_service.errors import HarnessFailed, RolloutError
+from rollout_service.runtime.agent import Episode, EpisodeInterrupted, Limits
 from rollout_service.runtime.harness_presets import env_dir_inside, launch
 from rollout_service.runtime.harness_protocols import (
-    ROUTES, ChatError, Generated, all_routes, protocol_for, server_sent, template_message,
+    ROUTES,
+    ChatError,
+    Generated,
+    all_routes,
+    protocol_for,
+    server_sent,
+    template_message,
 )
-from rollout_service.sandbox.harness_launcher import RESULT_MARKER
-from rollout_service.schemas import FinishReason, HarnessConfig, Segment, Trajectory, TRUNCATING_REASONS
 from rollout_service.runtime.tokens import ChatRenderer
 from rollout_service.runtime.toolcalls import ToolCallParser
 from rollout_service.runtime.trajectory import TrajectoryBuilder
+from rollout_service.sandbox.harness_launcher import RESULT_MARKER
+from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, HarnessConfig, Segment, Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChatError", "ChatSession", "EndpointServer", "harness_messages", "launcher_command", "new_api_key",
-           "parse_result", "run_harness", "template_message"]
+__all__ = [
+    "ChatError",
+    "ChatSession",
+    "EndpointServer",
+    "harness_messages",
+    "launcher_command",
+    "new_api_key",
+    "parse_result",
+    "run_harness",
+    "template_message",
+]
 
 ENDPOINT_SOCKET = "openai.sock"
 STOP_FILE = "harness.stop"
@@ -50,8 +67,7 @@ LAUNCHER_GRACE_S = 30.0
 JSON = {"Content-Type": "application/json"}
 NO_RETRY = {"x-should-retry": "false"}  # the OpenAI and Anthropic SDKs retry 409s and 5xx without it
 LAUNCH_BOOTSTRAP = (
-    "import sys; sys.path[0] = {path!r}; "
-    "from rollout_service.sandbox.harness_launcher import main; main()"
+    "import sys; sys.path[0] = {path!r}; from rollout_service.sandbox.harness_launcher import main; main()"
 )
 
 
@@ -64,14 +80,14 @@ class ChatSession:
     parser: ToolCallParser
     limits: Limits
     api_key: str
-    stop_reason: Callable[[], Optional[FinishReason]] = lambda: None
+    stop_reason: Callable[[], FinishReason | None] = lambda: None
     segments: list[TrajectoryBuilder] = field(default_factory=list)
-    stopped: Optional[FinishReason] = None
-    failure: Optional[BaseException] = None
+    stopped: FinishReason | None = None
+    failure: BaseException | None = None
     final_text: str = ""
     calls: int = 0
     responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # Responses API: id -> conversation
-    _previous: Optional[tuple[list[dict[str, Any]], Any, list[int]]] = None  # messages, tools, generated
+    _previous: tuple[list[dict[str, Any]], Any, list[int]] | None = None  # messages, tools, generated
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def handle(self, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, bytes, dict[str, str]]:
@@ -82,8 +98,12 @@ class ChatSession:
                 raise ChatError(404, "not_found", f"no route {path}; this endpoint serves {all_routes()}")
             offered = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")
             if not secrets.compare_digest(offered.encode(), self.api_key.encode()):
-                raise ChatError(401, "unauthorized", "wrong or missing API key: send Authorization: Bearer "
-                                                     "$OPENAI_API_KEY (or x-api-key: $ANTHROPIC_API_KEY)")
+                raise ChatError(
+                    401,
+                    "unauthorized",
+                    "wrong or missing API key: send Authorization: Bearer "
+                    "$OPENAI_API_KEY (or x-api-key: $ANTHROPIC_API_KEY)",
+                )
             with self._lock:
                 call = protocol.parse(body, self.responses)
                 generated = self.generate(call.messages, call.tools, call.max_tokens)
@@ -100,8 +120,9 @@ class ChatSession:
         doc = (protocol or ROUTES["/v1/chat/completions"]).error(error)
         return error.status, json.dumps(doc).encode(), {**JSON, **NO_RETRY}
 
-    def generate(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
-                 asked: Optional[int]) -> Generated:
+    def generate(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, asked: int | None
+    ) -> Generated:
         """One policy call for ``messages`` (chat-template form), recorded in the episode's segments."""
         if self.stopped is not None or self.failure is not None:
             raise self._ended()
@@ -145,9 +166,13 @@ class ChatSession:
         """The segment this call extends (after appending the observation delta), or a new one."""
         if self._previous is not None:
             before, before_tools, generated = self._previous
-            new = messages[len(before):]
-            if (tools == before_tools and messages[:len(before)] == before and new
-                    and all(m["role"] != "assistant" for m in new)):
+            new = messages[len(before) :]
+            if (
+                tools == before_tools
+                and messages[: len(before)] == before
+                and new
+                and all(m["role"] != "assistant" for m in new)
+            ):
                 record = self.segments[-1]
                 started = time.monotonic()
                 delta = self.renderer.observation_delta(new, generated)
@@ -166,10 +191,18 @@ class ChatSession:
         """The episode ends at the context limit; the harness is told in its SDK's words."""
         self.stopped = FinishReason.context_length
         if from_engine:
-            return ChatError(400, "context_length_exceeded", "the inference engine refused the prompt as longer "
-                                                             "than its model's context; this rollout is over")
-        return ChatError(400, "context_length_exceeded", "This rollout is over (the job's sampling.max_model_len).",
-                         limit=self.limits.max_model_len, used=used)
+            return ChatError(
+                400,
+                "context_length_exceeded",
+                "the inference engine refused the prompt as longer than its model's context; this rollout is over",
+            )
+        return ChatError(
+            400,
+            "context_length_exceeded",
+            "This rollout is over (the job's sampling.max_model_len).",
+            limit=self.limits.max_model_len,
+            used=used,
+        )
 
     def _ended(self) -> ChatError:
         reason = self.stopped.value if self.stopped else "error"
@@ -180,14 +213,23 @@ class ChatSession:
             return Trajectory(finish_reason=finish_reason, truncated=finish_reason in TRUNCATING_REASONS)
         first, *later = self.segments
         trajectory = first.build(finish_reason)
-        trajectory.segments = [Segment(prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                                       logprobs=s.logprobs, turns=s.turns, messages=s.messages) for s in later]
+        trajectory.segments = [
+            Segment(
+                prompt_ids=s.prompt_ids,
+                response_ids=s.response_ids,
+                loss_mask=s.loss_mask,
+                logprobs=s.logprobs,
+                turns=s.turns,
+                messages=s.messages,
+            )
+            for s in later
+        ]
         return trajectory
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "EndpointServer"
+    server: EndpointServer
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
@@ -195,8 +237,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send(*self.server.session.handle(self.path, headers, self.rfile.read(length)))
 
     def do_GET(self) -> None:
-        doc = {"error": {"message": f"this endpoint serves {all_routes()}", "type": "invalid_request_error",
-                         "param": None, "code": "not_found"}}
+        doc = {
+            "error": {
+                "message": f"this endpoint serves {all_routes()}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "not_found",
+            }
+        }
         self._send(404, json.dumps(doc).encode(), {**JSON, **NO_RETRY})
 
     def _send(self, status: int, payload: bytes, headers: Mapping[str, str]) -> None:
@@ -244,43 +292,73 @@ def harness_messages(messages: list[dict[str, Any]], system_prompt_given: bool) 
     return messages if system_prompt_given else [m for m in messages if m.get("role") != "system"]
 
 
-def launcher_command(harness: HarnessConfig, inside: tuple[str, str, str], api_key: str, deadline_s: float,
-                     task: str = "", model: str = "rollout") -> str:
+def launcher_command(
+    harness: HarnessConfig,
+    inside: tuple[str, str, str],
+    api_key: str,
+    deadline_s: float,
+    task: str = "",
+    model: str = "rollout",
+) -> str:
     python, package_dir, inner_dir = inside
     run = launch(harness, task, model, inner_dir)
     env = {**run.env, "OPENAI_API_KEY": api_key, "ROLLOUT_MESSAGES_FILE": f"{inner_dir}/{MESSAGES_FILE}"}
-    argv = [python, "-c", LAUNCH_BOOTSTRAP.format(path=package_dir),
-            "--socket", f"{inner_dir}/{ENDPOINT_SOCKET}", "--stop-file", f"{inner_dir}/{STOP_FILE}",
-            "--answer-file", f"{inner_dir}/{ANSWER_FILE}", "--deadline-s", f"{deadline_s:.3f}",
-            "--env-json", json.dumps(env),
-            "--answer-json", json.dumps(run.answer_json), "--env-dir", env_dir_inside(harness) or "",
-            "--", *run.command]
+    argv = [
+        python,
+        "-c",
+        LAUNCH_BOOTSTRAP.format(path=package_dir),
+        "--socket",
+        f"{inner_dir}/{ENDPOINT_SOCKET}",
+        "--stop-file",
+        f"{inner_dir}/{STOP_FILE}",
+        "--answer-file",
+        f"{inner_dir}/{ANSWER_FILE}",
+        "--deadline-s",
+        f"{deadline_s:.3f}",
+        "--env-json",
+        json.dumps(env),
+        "--answer-json",
+        json.dumps(run.answer_json),
+        "--env-dir",
+        env_dir_inside(harness) or "",
+        "--",
+        *run.command,
+    ]
     return shlex.join(argv)
 
 
-def parse_result(output: str) -> Optional[dict[str, Any]]:
+def parse_result(output: str) -> dict[str, Any] | None:
     at = output.rfind(RESULT_MARKER + " ")
     if at < 0:
         return None
     try:
-        return json.loads(output[at + len(RESULT_MARKER) + 1:].splitlines()[0])
+        return json.loads(output[at + len(RESULT_MARKER) + 1 :].splitlines()[0])
     except (ValueError, IndexError):
         return None
 
 
-def failure_message(harness: HarnessConfig, output: str, result: Optional[dict[str, Any]]) -> str:
+def failure_message(harness: HarnessConfig, output: str, result: dict[str, Any] | None) -> str:
     """Why the harness failed, once: the launcher's error, or the exit code and the output's tail."""
     program = harness.command[0] if harness.command else f"of preset {harness.preset!r}"
     if result is not None and result.get("error"):
         return f"the harness failed: {result['error']}"
-    tail = output[:output.rfind(RESULT_MARKER)] if result is not None else output
+    tail = output[: output.rfind(RESULT_MARKER)] if result is not None else output
     code = result.get("exit_code") if result else "unknown"
-    return (f"the harness program {program} exited with code {code}; fix the harness or its command; "
-            f"its output ends with: {tail.strip()[-1500:]}")
+    return (
+        f"the harness program {program} exited with code {code}; fix the harness or its command; "
+        f"its output ends with: {tail.strip()[-1500:]}"
+    )
 
 
-def run_harness(sandbox: Any, session: ChatSession, harness: HarnessConfig, messages: list[dict[str, Any]],
-                deadline_at: float, cancelled: Callable[[], bool], model: str = "rollout") -> Episode:
+def run_harness(
+    sandbox: Any,
+    session: ChatSession,
+    harness: HarnessConfig,
+    messages: list[dict[str, Any]],
+    deadline_at: float,
+    cancelled: Callable[[], bool],
+    model: str = "rollout",
+) -> Episode:
     """Serve the job's endpoint, run the harness in ``sandbox`` until it exits (or is stopped),
     and return the recorded trajectory and its answer."""
     socket_dir = sandbox.socket_dir

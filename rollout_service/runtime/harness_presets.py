@@ -9,15 +9,16 @@ A preset is one entry of ``PRESETS``: the packages ``harness install`` puts in i
 the command (from the task text, the model name and the attempt's private directory), the
 environment it needs, and where its answer is found once it exits.
 """
+
 from __future__ import annotations
 
 import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 from rollout_service.errors import ConfigError, UnknownName, ValidationError
 from rollout_service.schemas import HarnessConfig
@@ -29,21 +30,37 @@ class Preset:
     packages: tuple[str, ...]
     command: Callable[[str, str, str], list[str]]  # (task text, model, private directory) -> argv
     env: dict[str, str] = field(default_factory=dict)  # values may name {private_dir}
-    answer_json: Optional[tuple[str, tuple[str, ...]]] = None  # (file in the private directory, keys to the answer)
+    answer_json: tuple[str, tuple[str, ...]] | None = None  # (file in the private directory, keys to the answer)
 
 
 def _mini_swe_agent(task: str, model: str, private_dir: str) -> list[str]:
-    return ["mini", "--yolo", "--cost-limit", "0", "--exit-immediately", "--model", f"openai/{model}",
-            "--output", f"{private_dir}/mini.traj.json", "--task", task]
+    return [
+        "mini",
+        "--yolo",
+        "--cost-limit",
+        "0",
+        "--exit-immediately",
+        "--model",
+        f"openai/{model}",
+        "--output",
+        f"{private_dir}/mini.traj.json",
+        "--task",
+        task,
+    ]
 
 
 PRESETS: dict[str, Preset] = {
     "mini-swe-agent": Preset(
         packages=("mini-swe-agent==2.4.6",),
         command=_mini_swe_agent,
-        env={"MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "MSWEA_SILENT_STARTUP": "1",
-             "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
-             "MSWEA_GLOBAL_CONFIG_DIR": "{private_dir}/mini-swe-agent"},
+        env={
+            "MSWEA_CONFIGURED": "true",
+            "MSWEA_COST_TRACKING": "ignore_errors",
+            "MSWEA_SILENT_STARTUP": "1",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+            "MSWEA_GLOBAL_CONFIG_DIR": "{private_dir}/mini-swe-agent",
+        },
         answer_json=("mini.traj.json", ("info", "submission")),
     ),
 }
@@ -55,7 +72,7 @@ class Launch:
 
     command: list[str]
     env: dict[str, str]
-    answer_json: Optional[tuple[str, tuple[str, ...]]] = None
+    answer_json: tuple[str, tuple[str, ...]] | None = None
 
 
 def get_preset(name: str) -> Preset:
@@ -93,22 +110,27 @@ def allowed_env_dir(env_dir: str, where: str = "agent.harness.env_dir") -> str:
         raise ValidationError(
             f"{where} {shown} is outside the directories harness environments may be read from "
             f"({', '.join(roots)}); prepare it under one of them (rollout-service harness install NAME), "
-            "or have the operator add its directory to ROLLOUT_HARNESS_ROOTS")
+            "or have the operator add its directory to ROLLOUT_HARNESS_ROOTS"
+        )
     if is_under(resolved, os.path.realpath(settings.workspaces_path)):
-        raise ValidationError(f"{where} {shown} is in the jobs' workspace directory, which agents write: "
-                              "give an environment the operator put in place")
+        raise ValidationError(
+            f"{where} {shown} is in the jobs' workspace directory, which agents write: "
+            "give an environment the operator put in place"
+        )
     if not os.path.isdir(resolved):
-        raise ValidationError(f"{where} {shown} does not exist or is not a directory on this machine; "
-                              "prepare it with: rollout-service harness install NAME --into DIR")
+        raise ValidationError(
+            f"{where} {shown} does not exist or is not a directory on this machine; "
+            "prepare it with: rollout-service harness install NAME --into DIR"
+        )
     return resolved
 
 
-def env_dir_inside(harness: HarnessConfig) -> Optional[str]:
+def env_dir_inside(harness: HarnessConfig) -> str | None:
     """The harness environment's path as bound into the sandbox (symlinks resolved), if it has one."""
     return os.path.realpath(harness.env_dir) if harness.env_dir else None
 
 
-def read_only_dirs(harness: Optional[HarnessConfig]) -> tuple[str, ...]:
+def read_only_dirs(harness: HarnessConfig | None) -> tuple[str, ...]:
     """What a job's sandbox binds read-only for its harness."""
     inside = env_dir_inside(harness) if harness is not None else None
     return (inside,) if inside else ()
@@ -117,20 +139,22 @@ def read_only_dirs(harness: Optional[HarnessConfig]) -> tuple[str, ...]:
 def check_harness(harness: HarnessConfig, at: str = "") -> None:
     """What the schema cannot see: the preset is known and the environment directory allowed."""
     if harness.preset is not None and harness.preset not in PRESETS:
-        raise ValidationError(f"{at}agent.harness.preset {harness.preset!r} is unknown; "
-                              f"valid: {', '.join(sorted(PRESETS))}")
+        raise ValidationError(
+            f"{at}agent.harness.preset {harness.preset!r} is unknown; valid: {', '.join(sorted(PRESETS))}"
+        )
     if harness.env_dir is not None:
         allowed_env_dir(harness.env_dir, f"{at}agent.harness.env_dir")
 
 
-def install(name: str, into: Optional[str] = None, packages: tuple[str, ...] = (),
-            python: str = "") -> Path:
+def install(name: str, into: str | None = None, packages: tuple[str, ...] = (), python: str = "") -> Path:
     """Make (or update) the virtualenv ``into`` (default state_dir/harnesses/NAME) with the preset's
     packages and ``packages``, readable by every sandbox uid; returns its path."""
     wanted = (*get_preset(name).packages, *packages) if name in PRESETS else packages
     if not wanted:
-        raise ConfigError(f"{name!r} is not a preset (valid: {', '.join(sorted(PRESETS))}); "
-                          "name the packages to install with --package SPEC")
+        raise ConfigError(
+            f"{name!r} is not a preset (valid: {', '.join(sorted(PRESETS))}); "
+            "name the packages to install with --package SPEC"
+        )
     target = Path(into) if into else get_settings().state_path / "harnesses" / name
     target = target.resolve()
     interpreter = python or os.path.realpath(os.path.join(sys.base_prefix, "bin", "python3"))

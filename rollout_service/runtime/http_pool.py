@@ -7,6 +7,7 @@ third of ``http.client``'s CPU per call, whose status and header parsing (the ``
 was a tenth of a run worker's time at 1,000 concurrent episodes. ``https://`` goes through
 ``http.client``.
 """
+
 from __future__ import annotations
 
 import _socket
@@ -17,7 +18,7 @@ import select
 import socket
 import threading
 import time
-from typing import Protocol, Union
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from rollout_service.concurrency.green import wait_ready
@@ -58,8 +59,9 @@ class Abort:
 
 
 class Transport(Protocol):
-    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float,
-                  abort: Abort | None = None) -> tuple[int, bytes]:
+    def post_json(
+        self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float, abort: Abort | None = None
+    ) -> tuple[int, bytes]:
         """POST ``body`` (JSON) to ``url``: (status, response body), or ConnectFailed / ReadTimedOut /
         Aborted."""
 
@@ -112,7 +114,7 @@ class _PlainConnection:
         try:
             if status in (errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN):
                 if not wait_ready(sock, self.timeout, select.POLLOUT):
-                    raise socket.timeout(f"connecting to {self.host}:{self.port} timed out")
+                    raise TimeoutError(f"connecting to {self.host}:{self.port} timed out")
                 status = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if status not in (0, errno.EISCONN):
                 raise OSError(status, os.strerror(status))
@@ -130,8 +132,12 @@ class _PlainConnection:
     def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
         """(status, body, whether the server keeps the connection open)."""
         assert self.sock is not None
-        request = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self._host_header, len(body), body))
+        request = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            path.encode(),
+            self._host_header,
+            len(body),
+            body,
+        )
         sent = self.sock.send(request)  # a request fits the socket's buffer: one system call (sendall makes two)
         if sent < len(request):
             self.sock.sendall(memoryview(request)[sent:])
@@ -142,7 +148,7 @@ class _PlainConnection:
                 buffer = self._more(buffer, answered=bool(buffer))
                 continue
             status_line, *header_lines = buffer[:head_end].decode("latin-1").split("\r\n")
-            buffer = buffer[head_end + 4:]
+            buffer = buffer[head_end + 4 :]
             version, status = self._status(status_line)
             if 100 <= status < 200:  # an interim answer: the real one follows
                 continue
@@ -151,7 +157,8 @@ class _PlainConnection:
                 name, _, value = line.partition(":")
                 headers[name.strip().lower()] = value.strip()
             keep_alive = headers.get("connection", "").lower() != "close" and (
-                version == "HTTP/1.1" or headers.get("connection", "").lower() == "keep-alive")
+                version == "HTTP/1.1" or headers.get("connection", "").lower() == "keep-alive"
+            )
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 data, buffer = self._chunked(buffer)
             elif "content-length" in headers:
@@ -190,18 +197,18 @@ class _PlainConnection:
             while (line_end := buffer.find(b"\r\n")) < 0:
                 buffer = self._more(buffer)
             size = int(buffer[:line_end].split(b";", 1)[0], 16)
-            buffer = buffer[line_end + 2:]
+            buffer = buffer[line_end + 2 :]
             if size == 0:  # the last chunk, then trailers up to an empty line
                 while (trailers_end := buffer.find(b"\r\n")) != 0:
                     if trailers_end > 0:
-                        buffer = buffer[trailers_end + 2:]
+                        buffer = buffer[trailers_end + 2 :]
                     else:
                         buffer = self._more(buffer)
                 return b"".join(parts), buffer[2:]
             while len(buffer) < size + 2:
                 buffer = self._more(buffer)
             parts.append(buffer[:size])
-            buffer = buffer[size + 2:]
+            buffer = buffer[size + 2 :]
 
     def _until_closed(self, buffer: bytes) -> bytes:
         assert self.sock is not None
@@ -211,7 +218,7 @@ class _PlainConnection:
         return b"".join(parts)
 
 
-Connection = Union[_PlainConnection, http.client.HTTPConnection]
+Connection = _PlainConnection | http.client.HTTPConnection
 
 
 class KeepAlivePool:
@@ -221,8 +228,9 @@ class KeepAlivePool:
         self._idle: dict[tuple[str, str, int], list[Connection]] = {}
         self._lock = threading.Lock()
 
-    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float,
-                  abort: Abort | None = None) -> tuple[int, bytes]:
+    def post_json(
+        self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float, abort: Abort | None = None
+    ) -> tuple[int, bytes]:
         parts = urlsplit(url)
         key = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -262,12 +270,14 @@ class KeepAlivePool:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _exchange(connection: "_PlainConnection | http.client.HTTPConnection", path: str,
-                  body: bytes) -> tuple[int, bytes, bool]:
+    def _exchange(
+        connection: _PlainConnection | http.client.HTTPConnection, path: str, body: bytes
+    ) -> tuple[int, bytes, bool]:
         if isinstance(connection, _PlainConnection):
             return connection.post(path, body)
-        connection.request("POST", path, body=body, headers={"Content-Type": "application/json",
-                                                             "Content-Length": str(len(body))})
+        connection.request(
+            "POST", path, body=body, headers={"Content-Type": "application/json", "Content-Length": str(len(body))}
+        )
         response = connection.getresponse()
         data = response.read()
         return response.status, data, not response.will_close

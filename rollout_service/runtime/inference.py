@@ -18,6 +18,7 @@ retried against the same server (``settings.llm_connect_retries``), then raised 
 ``BackendUnreachable`` so the caller can fail over; everything else a server does wrong is
 a ``BackendError`` naming the server.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,16 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from rollout_service.runtime.http_pool import Abort, Aborted, ConnectFailed, ReadTimedOut, Transport, shared_pool
 from rollout_service.errors import (
     BackendError,
     BackendRejected,
     BackendTimeout,
-    GenerationAborted,
     BackendUnreachable,
     ContextWindowExceeded,
+    GenerationAborted,
     UnknownName,
 )
+from rollout_service.runtime.http_pool import Abort, Aborted, ConnectFailed, ReadTimedOut, Transport, shared_pool
 from rollout_service.schemas import Sampling
 from rollout_service.settings import get_settings
 
@@ -69,7 +70,11 @@ class InferenceClient(Protocol):
     model: str
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        max_new_tokens: int,
+        timeout_s: float,
         abort: Abort | None = None,
     ) -> Generation: ...
 
@@ -80,13 +85,18 @@ class HttpxTransport:
     def __init__(self, client: httpx.Client) -> None:
         self.client = client
 
-    def post_json(self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float,
-                  abort: Abort | None = None) -> tuple[int, bytes]:
+    def post_json(
+        self, url: str, body: bytes, timeout_s: float, connect_timeout_s: float, abort: Abort | None = None
+    ) -> tuple[int, bytes]:
         if abort is not None and abort.requested:
             raise Aborted("aborted before it was sent")
         try:
-            response = self.client.post(url, content=body, headers={"Content-Type": "application/json"},
-                                        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+            response = self.client.post(
+                url,
+                content=body,
+                headers={"Content-Type": "application/json"},
+                timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            )
         except _RETRYABLE as exc:
             raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
         except httpx.TimeoutException as exc:
@@ -118,8 +128,11 @@ def loads_answer(content: bytes) -> Any:
 # exceeds limit of N", "The decoder prompt (length N) is longer than the maximum model length of M"),
 # SGLang ("The input (N tokens) is longer than the model's context length")
 # and OpenAI-compatible servers refuse a prompt that no longer fits.
-_CONTEXT_FULL = re.compile(r"maximum context length|context (length|window)|(prompt|input).{0,60}"
-                           r"(too long|exceeds|longer than the maximum)", re.IGNORECASE)
+_CONTEXT_FULL = re.compile(
+    r"maximum context length|context (length|window)|(prompt|input).{0,60}"
+    r"(too long|exceeds|longer than the maximum)",
+    re.IGNORECASE,
+)
 
 
 def _server_message(content: bytes) -> str:
@@ -168,23 +181,23 @@ class _HTTPInferenceClient:
         self.url = url.rstrip("/")
         self.model = model
         self.http: Transport = HttpxTransport(http) if isinstance(http, httpx.Client) else (http or shared_pool())
-        self.connect_retries = (
-            get_settings().llm_connect_retries if connect_retries is None else connect_retries
-        )
+        self.connect_retries = get_settings().llm_connect_retries if connect_retries is None else connect_retries
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, model={self.model!r})"
 
-    def request_body(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
-    ) -> dict[str, Any]:
+    def request_body(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int) -> dict[str, Any]:
         raise NotImplementedError
 
     def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
         raise NotImplementedError
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        max_new_tokens: int,
+        timeout_s: float,
         abort: Abort | None = None,
     ) -> Generation:
         """``abort``: a handle that ends the request at once from elsewhere (``Aborted`` is raised)."""
@@ -194,14 +207,14 @@ class _HTTPInferenceClient:
         token_ids, logprobs, finish_reason = self._exchange(prompt_ids, sampling, max_new_tokens, timeout_s, abort)
         return Generation(token_ids, logprobs, finish_reason, time.monotonic() - started)
 
-    def _exchange(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
-                  abort: Abort | None) -> tuple[list[int], list[float], str]:
+    def _exchange(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float, abort: Abort | None
+    ) -> tuple[list[int], list[float], str]:
         """One request and its parsed answer: (token ids, logprobs, finish reason)."""
         body = self.request_body(list(prompt_ids), sampling, max_new_tokens)
         return self.parse_response(self._answer(self.path, *self._send(self.path, body, timeout_s, abort)))
 
-    def _send(self, path: str, body: dict[str, Any], timeout_s: float,
-              abort: Abort | None = None) -> tuple[int, bytes]:
+    def _send(self, path: str, body: dict[str, Any], timeout_s: float, abort: Abort | None = None) -> tuple[int, bytes]:
         endpoint = self.url + path
         payload = dumps_body(body)
         attempts = 1 + max(0, self.connect_retries)
@@ -235,11 +248,11 @@ class _HTTPInferenceClient:
                     "register the backend with the right kind)"
                 )
             message = _server_message(content)
-            rejected = ContextWindowExceeded if status in (400, 413) and _CONTEXT_FULL.search(message) \
-                else BackendRejected
+            rejected = (
+                ContextWindowExceeded if status in (400, 413) and _CONTEXT_FULL.search(message) else BackendRejected
+            )
             raise rejected(
-                f"the {self.kind} backend at {self.url} answered {status} to "
-                f"POST {path}: {message}{hint}",
+                f"the {self.kind} backend at {self.url} answered {status} to POST {path}: {message}{hint}",
                 status=status,
             )
         try:
@@ -249,20 +262,19 @@ class _HTTPInferenceClient:
 
     def _malformed(self, problem: str, path: str | None = None) -> BackendError:
         return BackendError(
-            f"malformed answer from the {self.kind} backend at {self.url} to POST {path or self.path}: "
-            f"{problem}"
+            f"malformed answer from the {self.kind} backend at {self.url} to POST {path or self.path}: {problem}"
         )
 
     def _checked(
         self, token_ids: list[int], logprobs: list[float], finish_reason: Any
     ) -> tuple[list[int], list[float], str]:
         if len(token_ids) != len(logprobs):
-            raise self._malformed(
-                f"{len(token_ids)} token ids but {len(logprobs)} logprobs; they must align"
-            )
+            raise self._malformed(f"{len(token_ids)} token ids but {len(logprobs)} logprobs; they must align")
         if finish_reason == "abort":
-            raise GenerationAborted(f"the {self.kind} backend at {self.url} ended the generation with finish reason "
-                                    "'abort' (a pause with mode=abort); it is made again once the service resumes")
+            raise GenerationAborted(
+                f"the {self.kind} backend at {self.url} ended the generation with finish reason "
+                "'abort' (a pause with mode=abort); it is made again once the service resumes"
+            )
         if finish_reason not in FINISH_REASONS:
             raise BackendError(
                 f"the {self.kind} backend at {self.url} ended the generation with finish reason "
@@ -309,8 +321,9 @@ class VLLMClient(_HTTPInferenceClient):
     path = GENERATE_PATH
     token_route = True  # ask /inference/v1/generate first
 
-    def _exchange(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float,
-                  abort: Abort | None) -> tuple[list[int], list[float], str]:
+    def _exchange(
+        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int, timeout_s: float, abort: Abort | None
+    ) -> tuple[list[int], list[float], str]:
         params = vllm_sampling(sampling, max_new_tokens)
         route = _vllm_routes.get(self.url) if self.token_route else _COMPLETIONS
         if route is None or route == _GENERATE:
@@ -326,8 +339,12 @@ class VLLMClient(_HTTPInferenceClient):
                 _vllm_routes[self.url] = _GENERATE
                 return self.parse_generate(self._answer(GENERATE_PATH, status, content))
             _vllm_routes[self.url] = _COMPLETIONS
-        return self.parse_response(self._answer(COMPLETIONS_PATH, *self._send(
-            COMPLETIONS_PATH, self.completions_body(prompt_ids, params), timeout_s, abort)))
+        return self.parse_response(
+            self._answer(
+                COMPLETIONS_PATH,
+                *self._send(COMPLETIONS_PATH, self.completions_body(prompt_ids, params), timeout_s, abort),
+            )
+        )
 
     def generate_body(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         params["detokenize"] = False
@@ -335,12 +352,17 @@ class VLLMClient(_HTTPInferenceClient):
 
     def completions_body(self, prompt_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
         params.pop("detokenize", None)
-        return {"model": self.model, "prompt": list(prompt_ids), **params, "return_token_ids": True,
-                "return_tokens_as_token_ids": True, "n": 1, "stream": False}
+        return {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            **params,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "n": 1,
+            "stream": False,
+        }
 
-    def request_body(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
-    ) -> dict[str, Any]:
+    def request_body(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int) -> dict[str, Any]:
         """The ``/v1/completions`` body."""
         return self.completions_body(prompt_ids, vllm_sampling(sampling, max_new_tokens))
 
@@ -355,19 +377,23 @@ class VLLMClient(_HTTPInferenceClient):
         logprobs_block = choice.get("logprobs")
         content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
         if not isinstance(content, list):
-            raise self._malformed("choices[0].logprobs.content is missing; the server ignored "
-                                  "`sampling_params.logprobs: 0`", GENERATE_PATH)
+            raise self._malformed(
+                "choices[0].logprobs.content is missing; the server ignored `sampling_params.logprobs: 0`",
+                GENERATE_PATH,
+            )
         try:
             ids = [entry["token_id"] for entry in content]
             logprobs = _float_list([entry["logprob"] for entry in content])
         except (TypeError, KeyError):
-            raise self._malformed("choices[0].logprobs.content holds an entry without token_id and logprob",
-                                  GENERATE_PATH) from None
+            raise self._malformed(
+                "choices[0].logprobs.content holds an entry without token_id and logprob", GENERATE_PATH
+            ) from None
         if logprobs is None:
             raise self._malformed("choices[0].logprobs.content[].logprob is not a number", GENERATE_PATH)
         if ids != token_ids:
-            raise self._malformed("choices[0].token_ids and the token ids of choices[0].logprobs.content "
-                                  "disagree", GENERATE_PATH)
+            raise self._malformed(
+                "choices[0].token_ids and the token ids of choices[0].logprobs.content disagree", GENERATE_PATH
+            )
         return self._checked(token_ids, logprobs, choice.get("finish_reason"))
 
     def parse_response(self, payload: Any) -> tuple[list[int], list[float], str]:
@@ -380,15 +406,19 @@ class VLLMClient(_HTTPInferenceClient):
         if not isinstance(logprobs_block, dict):
             raise self._malformed(
                 "choices[0].logprobs is missing; the server ignored `logprobs: 0` "
-                "(is it really vLLM's OpenAI-compatible server?)", COMPLETIONS_PATH
+                "(is it really vLLM's OpenAI-compatible server?)",
+                COMPLETIONS_PATH,
             )
         logprobs = _float_list(logprobs_block.get("token_logprobs"))
         if logprobs is None:
             raise self._malformed("choices[0].logprobs.token_logprobs is not a list of numbers", COMPLETIONS_PATH)
         tokens, token_ids = logprobs_block.get("tokens"), choice.get("token_ids")
         given_ids = _int_list(token_ids)
-        if given_ids is not None and isinstance(tokens, list) and \
-                tokens == [f"{TOKEN_ID_PREFIX}{i}" for i in given_ids]:  # both given and agreeing: the common case
+        if (
+            given_ids is not None
+            and isinstance(tokens, list)
+            and tokens == [f"{TOKEN_ID_PREFIX}{i}" for i in given_ids]
+        ):  # both given and agreeing: the common case
             return self._checked(list(given_ids), logprobs, choice.get("finish_reason"))
         ids_from_tokens = self._ids_from_token_strings(tokens)
         if token_ids is None:
@@ -396,7 +426,8 @@ class VLLMClient(_HTTPInferenceClient):
                 raise self._malformed(
                     "neither choices[0].token_ids nor 'token_id:N' strings in "
                     "choices[0].logprobs.tokens; use vLLM >= 0.10.2 (return_token_ids) or a "
-                    "version that supports return_tokens_as_token_ids", COMPLETIONS_PATH
+                    "version that supports return_tokens_as_token_ids",
+                    COMPLETIONS_PATH,
                 )
             token_ids = ids_from_tokens
         elif _int_list(token_ids) is None:
@@ -404,7 +435,7 @@ class VLLMClient(_HTTPInferenceClient):
         elif ids_from_tokens is not None and ids_from_tokens != token_ids:
             raise self._malformed(
                 "choices[0].token_ids and the 'token_id:N' strings of choices[0].logprobs.tokens disagree",
-                COMPLETIONS_PATH
+                COMPLETIONS_PATH,
             )
         return self._checked(list(token_ids), logprobs, choice.get("finish_reason"))
 
@@ -417,7 +448,7 @@ class VLLMClient(_HTTPInferenceClient):
             if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
                 return None
             try:
-                ids.append(int(token[len(TOKEN_ID_PREFIX):]))
+                ids.append(int(token[len(TOKEN_ID_PREFIX) :]))
             except ValueError:
                 return None
         return ids
@@ -427,9 +458,7 @@ class SGLangClient(_HTTPInferenceClient):
     kind = "sglang"
     path = "/generate"
 
-    def request_body(
-        self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int
-    ) -> dict[str, Any]:
+    def request_body(self, prompt_ids: list[int], sampling: Sampling, max_new_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": sampling.temperature,

@@ -1,4 +1,5 @@
 """A job's view of the inference pool: sticky backend, weight-sync gate, failover."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,21 +9,28 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import redis
 
-from rollout_service.runtime.agent import EpisodeInterrupted
-from rollout_service.state.backends import AllBackendsDown, BackendPool, FirstCall
-from rollout_service.errors import (BackendError, BackendTimeout, BackendUnreachable, ContextWindowExceeded,
-                                    GenerationAborted, NoBackendAvailable, NotFound)
 from rollout_service.concurrency.green import in_background
+from rollout_service.errors import (
+    BackendError,
+    BackendTimeout,
+    BackendUnreachable,
+    ContextWindowExceeded,
+    GenerationAborted,
+    NoBackendAvailable,
+    NotFound,
+)
+from rollout_service.runtime.agent import EpisodeInterrupted
 from rollout_service.runtime.http_pool import Abort, Aborted
 from rollout_service.runtime.inference import Generation, InferenceClient, make_client
+from rollout_service.runtime.trajectory import TrajectoryBuilder
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.settings import get_settings
+from rollout_service.state.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.state.store import CANCEL_CHANNEL, JobStore, as_text
-from rollout_service.runtime.trajectory import TrajectoryBuilder
 
 OUTAGE_POLL_S = 1.0  # while every backend of a job's model is down, how often its call asks for one again
 
@@ -50,11 +58,11 @@ class CallGate:
         self.inflight = 0
         self.version = 0
         self.owner = ""
-        self._pool: Optional[BackendPool] = None
+        self._pool: BackendPool | None = None
         self._pid = 0
         self._closed = False
 
-    def version_if_open(self) -> Optional[int]:
+    def version_if_open(self) -> int | None:
         return self.version if time.monotonic() < self.open_until else None
 
     def begin(self) -> int:
@@ -78,8 +86,9 @@ class CallGate:
             self._closed = False
             self.owner = f"{socket.gethostname()}:{os.getpid()}"
             self._pool = BackendPool(client)
-            threading.Thread(target=self._renew_forever, args=(self._pool, lease_s),
-                             name="call-gate", daemon=True).start()
+            threading.Thread(
+                target=self._renew_forever, args=(self._pool, lease_s), name="call-gate", daemon=True
+            ).start()
 
     def close(self) -> None:
         """Stop renewing and release the gate (its calls no longer count as held)."""
@@ -162,8 +171,9 @@ class CancelWatcher:
         self._pid, self.calls, self.recent = os.getpid(), {}, {}
         interval_s = get_settings().cancel_check_s
         if interval_s > 0:
-            in_background(self._watch_forever, client, client.register_script(_CANCELLED), interval_s,
-                          name="cancel-watcher")
+            in_background(
+                self._watch_forever, client, client.register_script(_CANCELLED), interval_s, name="cancel-watcher"
+            )
 
     def _watch_forever(self, client: redis.Redis, cancelled: Callable[..., list[int]], interval_s: float) -> None:
         while True:
@@ -209,10 +219,18 @@ MAX_ABORTED_CALLS = 5  # one call dropped by this many engine aborts in a row fa
 class PooledLLM:
     """Generates for one job: acquires its sticky backend, waits out pauses, moves off dead backends."""
 
-    def __init__(self, pool: BackendPool, job_id: str, sampling: Sampling, call_timeout_s: float,
-                 stop_reason: Callable[[], Optional[FinishReason]], deadline_at: float = math.inf,
-                 job_key: str = "", max_policy_lag: Optional[int] = None,
-                 outage_wait_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        job_id: str,
+        sampling: Sampling,
+        call_timeout_s: float,
+        stop_reason: Callable[[], FinishReason | None],
+        deadline_at: float = math.inf,
+        job_key: str = "",
+        max_policy_lag: int | None = None,
+        outage_wait_s: float | None = None,
+    ) -> None:
         self.pool = pool
         self.job_id = job_id
         self.job_key = job_key
@@ -222,11 +240,11 @@ class PooledLLM:
         self.deadline_at = deadline_at
         self.stop_reason = stop_reason
         self.outage_wait_s = get_settings().backend_outage_wait_s if outage_wait_s is None else outage_wait_s
-        self.down_since: Optional[float] = None  # when this call first found no backend to run on
-        self.last_backend_id: Optional[str] = None
+        self.down_since: float | None = None  # when this call first found no backend to run on
+        self.last_backend_id: str | None = None
         # BackendPool.first_call_soon's answer, if the run worker sent the first call's round trip early
-        self.first_call: Optional[FirstCall] = None
-        self.sticky: Optional[BackendView] = None  # the backend of the job's last call, granted the careful way
+        self.first_call: FirstCall | None = None
+        self.sticky: BackendView | None = None  # the backend of the job's last call, granted the careful way
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
         gate_version = CALL_GATE.version_if_open()
@@ -234,8 +252,8 @@ class PooledLLM:
             ids = self._generate_under_gate(self.sticky, gate_version, prompt_ids, max_new_tokens, record)
             if ids is not None:
                 return ids
-        left: Optional[str] = None  # the backend this call failed on first
-        ended_under: Optional[Callable[[], Optional[int]]] = None
+        left: str | None = None  # the backend this call failed on first
+        ended_under: Callable[[], int | None] | None = None
         aborted = 0
         while True:
             backend = self._start_call()  # waits out a weight-sync pause
@@ -260,13 +278,21 @@ class PooledLLM:
         self.down_since = None
         moved_from = next((b for b in (left, self.last_backend_id) if b not in (None, backend.id)), None)
         self.last_backend_id, self.sticky = backend.id, backend
-        record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
-                              finish_reason=gen.finish_reason, latency_s=gen.latency_s,
-                              moved_from=moved_from, ended_under=ended_under)
+        record.add_generation(
+            gen.token_ids,
+            gen.logprobs,
+            backend_id=backend.id,
+            policy_version=version,
+            finish_reason=gen.finish_reason,
+            latency_s=gen.latency_s,
+            moved_from=moved_from,
+            ended_under=ended_under,
+        )
         return gen.token_ids
 
-    def _generate_under_gate(self, backend: BackendView, version: int, prompt_ids: list[int],
-                             max_new_tokens: int, record: TrajectoryBuilder) -> Optional[list[int]]:
+    def _generate_under_gate(
+        self, backend: BackendView, version: int, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder
+    ) -> list[int] | None:
         """A later call sent at once to the job's backend while this worker's gate is open: no
         round trip ahead of it, the gate counts it and its checks ride the next shared one. None if
         the gate did not hold it all along (a stalled worker: the call may have met a weight sync),
@@ -290,9 +316,16 @@ class PooledLLM:
         if gen is None or ended_under is None or assigned != backend.id:
             self.sticky = None
             return None
-        record.add_generation(gen.token_ids, gen.logprobs, backend_id=backend.id, policy_version=version,
-                              finish_reason=gen.finish_reason, latency_s=gen.latency_s, moved_from=None,
-                              ended_under=ended_under)
+        record.add_generation(
+            gen.token_ids,
+            gen.logprobs,
+            backend_id=backend.id,
+            policy_version=version,
+            finish_reason=gen.finish_reason,
+            latency_s=gen.latency_s,
+            moved_from=None,
+            ended_under=ended_under,
+        )
         return gen.token_ids
 
     def _call(self, backend: BackendView, prompt_ids: list[int], max_new_tokens: int) -> Generation:
@@ -303,7 +336,8 @@ class PooledLLM:
         abort = CANCELS.watch(self.pool.redis, self.job_key) if self.job_key else None
         try:
             return client_for(backend.kind, backend.url, backend.model).generate(
-                prompt_ids, self.sampling, max_new_tokens, min(self.call_timeout_s, remaining_s), abort)
+                prompt_ids, self.sampling, max_new_tokens, min(self.call_timeout_s, remaining_s), abort
+            )
         except Aborted:  # the job was cancelled mid-call
             raise EpisodeInterrupted(FinishReason.cancelled) from None
         except BackendTimeout:
@@ -359,8 +393,10 @@ class PooledLLM:
         now = time.monotonic()
         self.down_since = self.down_since or now
         if now - self.down_since >= self.outage_wait_s:
-            raise NoBackendAvailable(f"{exc}; no backend of model {dead.model!r} answered for "
-                                     f"{now - self.down_since:.0f} s (ROLLOUT_BACKEND_OUTAGE_WAIT_S)") from exc
+            raise NoBackendAvailable(
+                f"{exc}; no backend of model {dead.model!r} answered for "
+                f"{now - self.down_since:.0f} s (ROLLOUT_BACKEND_OUTAGE_WAIT_S)"
+            ) from exc
         try:
             self.pool.set_health(dead.id, False)
         except NotFound:
@@ -375,6 +411,7 @@ class PooledLLM:
         self.down_since = self.down_since or now
         waited_s = now - self.down_since
         if waited_s >= self.outage_wait_s:
-            raise NoBackendAvailable(f"{down}; none came back within {self.outage_wait_s:g} s "
-                                     "(ROLLOUT_BACKEND_OUTAGE_WAIT_S)") from down
+            raise NoBackendAvailable(
+                f"{down}; none came back within {self.outage_wait_s:g} s (ROLLOUT_BACKEND_OUTAGE_WAIT_S)"
+            ) from down
         time.sleep(max(min(OUTAGE_POLL_S, self.outage_wait_s - waited_s, self.deadline_at - time.time()), 0.0))

@@ -1,4 +1,5 @@
 """What a scored job leaves, shared by the stages that score (eval, or run for a quick score)."""
+
 from __future__ import annotations
 
 from typing import Any, Protocol

@@ -14,6 +14,7 @@ template has rendered once, and puts every content into verbatim, is afterwards 
 rendered again (``ChatRenderer.render_framed``): a sandboxed Jinja render was a tenth of a run
 worker's CPU at a thousand episodes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,8 +40,16 @@ FRAME_CACHE_SIZE = 256  # message shapes (roles, names, tools) a process renders
 # contents a frame is checked on before it is used: a template that trims, tests or rewrites a
 # message's content renders one of them differently from the frame filled with it, and that shape
 # is then always rendered by the template
-_FRAME_CHECKS = ("x", "  padded\n\n", "\n", "<tool_response>\nout\n</tool_response>", "a</think>\nb",
-                 '{"q": "\\"x\\""}\t{{ raw }}', "<|im_end|>", "ÿ émoji 🎉")
+_FRAME_CHECKS = (
+    "x",
+    "  padded\n\n",
+    "\n",
+    "<tool_response>\nout\n</tool_response>",
+    "a</think>\nb",
+    '{"q": "\\"x\\""}\t{{ raw }}',
+    "<|im_end|>",
+    "ÿ émoji 🎉",
+)
 SEGMENT_CACHE_SIZE = 4096  # texts between special tokens (system prompts, tool schemas, role headers)
 _importing = threading.Lock()  # transformers' lazy imports are not thread-safe on first use
 _locks_lock = threading.Lock()
@@ -99,8 +108,10 @@ def tokenizer_problem(name_or_path: str) -> str | None:
         if path.is_dir():
             if any((path / name).is_file() for name in TOKENIZER_FILES):
                 return None
-            return (f"tokenizer {shown}: the directory holds none of {wanted}; pass the directory of the "
-                    "model's tokenizer (e.g. the model's own directory)")
+            return (
+                f"tokenizer {shown}: the directory holds none of {wanted}; pass the directory of the "
+                "model's tokenizer (e.g. the model's own directory)"
+            )
     except (OSError, RuntimeError):  # a name too long for a path, "~user" of an unknown user
         path = None
     if path is None or path.is_absolute() or name_or_path.startswith((".", "~")) or name_or_path.count("/") > 1:
@@ -113,9 +124,11 @@ def tokenizer_problem(name_or_path: str) -> str | None:
         cached = False
     if cached:
         return None
-    return (f"tokenizer {shown} is neither a local directory nor a model name whose tokenizer is in the "
-            f"Hugging Face cache ({constants.HF_HUB_CACHE}); tokenizers load offline: pass a directory "
-            f"holding {wanted}, or download it first (`huggingface-cli download {name_or_path[:200]}`)")
+    return (
+        f"tokenizer {shown} is neither a local directory nor a model name whose tokenizer is in the "
+        f"Hugging Face cache ({constants.HF_HUB_CACHE}); tokenizers load offline: pass a directory "
+        f"holding {wanted}, or download it first (`huggingface-cli download {name_or_path[:200]}`)"
+    )
 
 
 def _is_plain_tokenizers_dir(path: Path) -> bool:
@@ -134,10 +147,10 @@ def _is_plain_tokenizers_dir(path: Path) -> bool:
 
 
 RENDERERS_KEPT = 16
-_renderers: dict[str, "ChatRenderer"] = {}  # the loaded ones, read without the lock (twice per episode)
+_renderers: dict[str, ChatRenderer] = {}  # the loaded ones, read without the lock (twice per episode)
 
 
-def renderer_for(name_or_path: str) -> "ChatRenderer":
+def renderer_for(name_or_path: str) -> ChatRenderer:
     """The (cached) renderer of the tokenizer at ``name_or_path``; beyond ``RENDERERS_KEPT`` the
     one loaded first is dropped."""
     renderer = _renderers.get(name_or_path)
@@ -153,15 +166,30 @@ def renderer_for(name_or_path: str) -> "ChatRenderer":
     return renderer
 
 
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
-    "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}]
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "probe",
+            "description": "A probe.",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+        },
+    }
+]
 _DIRECT_RENDER_PROBES: tuple[tuple[list[dict[str, Any]], list[dict[str, Any]] | None], ...] = (
     ([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], None),
     ([{"role": "user", "content": "u"}], _PROBE_TOOLS),
-    ([*PROBE_CONVERSATION, {"role": "tool", "name": "probe", "content": "out"}, {"role": "user", "content": "u2"}],
-     None),
-    ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "reasoning_content": "r",
-                                           "tool_calls": None}], _PROBE_TOOLS),
+    (
+        [*PROBE_CONVERSATION, {"role": "tool", "name": "probe", "content": "out"}, {"role": "user", "content": "u2"}],
+        None,
+    ),
+    (
+        [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": None},
+        ],
+        _PROBE_TOOLS,
+    ),
 )
 
 
@@ -178,7 +206,10 @@ class _DirectTemplate:
 
     def __init__(self, tokenizer: Any) -> None:
         from transformers.utils.chat_template_utils import (
-            _alias_reasoning_fields, _compile_jinja_template, _plain_template_data)
+            _alias_reasoning_fields,
+            _compile_jinja_template,
+            _plain_template_data,
+        )
 
         self.tokenizer = tokenizer
         self._compile = _compile_jinja_template
@@ -186,18 +217,19 @@ class _DirectTemplate:
         self._variables = _plain_template_data(dict(tokenizer.special_tokens_map))
         self._templates: dict[bool, Any] = {}
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
         template = self._templates.get(tools is not None)
         if template is None:
-            template = self._templates[tools is not None] = self._compile(
-                self.tokenizer.get_chat_template(None, tools))
+            template = self._templates[tools is not None] = self._compile(self.tokenizer.get_chat_template(None, tools))
         chat = self._alias_reasoning([{k: v for k, v in m.items() if v is not None} for m in messages])
-        return template.render(messages=chat, tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self._variables)
+        return template.render(
+            messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self._variables
+        )
 
 
-def _direct_template(tokenizer: Any) -> "_DirectTemplate | None":
+def _direct_template(tokenizer: Any) -> _DirectTemplate | None:
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.utils import chat_template_utils
@@ -238,8 +270,11 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         # the Rust tokenizer under a fast transformers tokenizer: the same ids without the wrapper's
         # per-call Python (most of a turn's tokenization cost); None for a slow tokenizer
-        self._rust = getattr(tokenizer, "_tokenizer", None) if getattr(tokenizer, "is_fast", False) \
-            and not getattr(tokenizer, "split_special_tokens", False) else None
+        self._rust = (
+            getattr(tokenizer, "_tokenizer", None)
+            if getattr(tokenizer, "is_fast", False) and not getattr(tokenizer, "split_special_tokens", False)
+            else None
+        )
         self._special_split, self._added_ids = self._segmenting(self._rust)
         self._segments: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._prompts: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
@@ -249,21 +284,19 @@ class ChatRenderer:
         if self._direct is not None and not self._direct_renders_alike():
             self._direct = None
         probe = self.render_text(list(PROBE_CONVERSATION))
-        after_content = probe[probe.rindex(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT):]
+        after_content = probe[probe.rindex(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT) :]
         self.end_of_turn, self.turn_closing = self._find_end_of_turn(after_content)
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
         self.turn_closing_ids: list[int] = self.encode(self.turn_closing)
         self._probe_prefix = probe[: probe.rindex(self.end_of_turn) + len(self.end_of_turn)]
         with_prompt = self.render_text(list(PROBE_CONVERSATION), add_generation_prompt=True)
-        self.generation_prompt: str = with_prompt[len(probe):] if with_prompt.startswith(probe) else ""
+        self.generation_prompt: str = with_prompt[len(probe) :] if with_prompt.startswith(probe) else ""
         eos_ids = [self.end_of_turn_id, tokenizer.eos_token_id]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
 
     def _find_end_of_turn(self, after_content: str) -> tuple[str, str]:
         """The first special token the template puts after an assistant message's content."""
-        specials = set(self.tokenizer.all_special_tokens) | {
-            str(t) for t in self.tokenizer.get_added_vocab()
-        }
+        specials = set(self.tokenizer.all_special_tokens) | {str(t) for t in self.tokenizer.get_added_vocab()}
         found = [(after_content.find(s), s) for s in specials if s and s in after_content]
         if not found:
             raise ConfigError(
@@ -289,8 +322,13 @@ class ChatRenderer:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def render_framed(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      add_generation_prompt: bool = False, tools_key: str | None = None) -> str:
+    def render_framed(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        tools_key: str | None = None,
+    ) -> str:
         """``render_text``'s text, made by filling the messages' contents into the template's render
         of their shape (roles and every other field, the tools) when that shape was rendered before:
         string joins instead of a sandboxed Jinja render per episode start and per turn. A shape is
@@ -301,8 +339,11 @@ class ChatRenderer:
         if not all(isinstance(c, str) and c for c in contents):
             return self.render_text(messages, tools, add_generation_prompt)
         try:
-            shape = (add_generation_prompt, _tools_key(tools) if tools_key is None else tools_key,
-                     tuple(tuple(sorted((k, v) for k, v in m.items() if k != "content")) for m in messages))
+            shape = (
+                add_generation_prompt,
+                _tools_key(tools) if tools_key is None else tools_key,
+                tuple(tuple(sorted((k, v) for k, v in m.items() if k != "content")) for m in messages),
+            )
             hash(shape)
         except TypeError:  # a field with a list or dict value (tool calls): rendered
             return self.render_text(messages, tools, add_generation_prompt)
@@ -320,14 +361,20 @@ class ChatRenderer:
             return text
         return _fill(frame, cast("list[str]", contents))
 
-    def _make_frame(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    add_generation_prompt: bool, rendered: str) -> Frame | None:
+    def _make_frame(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        rendered: str,
+    ) -> Frame | None:
         """The render of ``messages``' shape cut at each content (literal parts, and which message's
         content goes after each), or None if filling it does not give the template's render."""
         marks = [f"\x00FRAME{i}\x00" for i in range(len(messages))]
         try:
-            template = self.render_text([{**m, "content": mark} for m, mark in zip(messages, marks)],
-                                        tools, add_generation_prompt)
+            template = self.render_text(
+                [{**m, "content": mark} for m, mark in zip(messages, marks)], tools, add_generation_prompt
+            )
         except Exception:
             return None
         cut = re.split("\x00FRAME(\\d+)\x00", template)
@@ -339,8 +386,9 @@ class ChatRenderer:
         for check in _FRAME_CHECKS:
             contents = [f"{check}{i}" if i % 2 else check for i in range(len(messages))]
             try:
-                expected = self.render_text([{**m, "content": c} for m, c in zip(messages, contents)],
-                                            tools, add_generation_prompt)
+                expected = self.render_text(
+                    [{**m, "content": c} for m, c in zip(messages, contents)], tools, add_generation_prompt
+                )
             except Exception:
                 return None
             if _fill(frame, contents) != expected:
@@ -355,7 +403,8 @@ class ChatRenderer:
             for add_generation_prompt in (False, True):
                 try:
                     expected = self.tokenizer.apply_chat_template(
-                        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+                        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                    )
                 except Exception:  # a template that rejects a probe: the wrapper decides, as always
                     return False
                 if self._direct.render(messages, tools, add_generation_prompt) != expected:
@@ -427,7 +476,7 @@ class ChatRenderer:
                 "added, so observations cannot be appended as token deltas; use a template "
                 "that never rewrites history"
             )
-        return full[len(self._probe_prefix):]
+        return full[len(self._probe_prefix) :]
 
     def observation_delta(self, messages: list[dict[str, Any]], generated_ids: list[int]) -> list[int]:
         """Ids to append after ``generated_ids``: the end-of-turn if the generation did not
@@ -448,9 +497,7 @@ class ChatRenderer:
         """Text of ``ids`` with special tokens kept (tool-call tags may be special tokens)."""
         if self._rust is not None:
             return self._rust.decode(list(ids), skip_special_tokens=False)
-        return self.tokenizer.decode(
-            list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def decode_generation(self, ids: list[int]) -> str:
         """Text of a generation without its final end-of-turn/eos token, for tool-call parsing."""

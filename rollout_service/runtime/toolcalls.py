@@ -5,6 +5,7 @@ Parse the text decoded from the generated *token ids* with special tokens kept (
 errors addressed to the model, so the agent loop can answer a malformed call with an
 observation instead of ending the episode.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,18 +69,18 @@ class HermesParser:
                 if open_at is not None:
                     errors.append(self._unclosed(len(calls) + len(errors) + 1))
                 else:
-                    content_parts.append(text[cursor:tag.start()])
+                    content_parts.append(text[cursor : tag.start()])
                 open_at = tag.end()
             elif open_at is None:
                 errors.append(
                     f"found {self.close_tag} without a matching {self.open_tag} before it; "
                     f"write each call as {self._example}"
                 )
-                content_parts.append(text[cursor:tag.start()])
+                content_parts.append(text[cursor : tag.start()])
                 cursor = tag.end()
             else:
                 number = len(calls) + len(errors) + 1
-                call_or_error = self._parse_body(text[open_at:tag.start()], number)
+                call_or_error = self._parse_body(text[open_at : tag.start()], number)
                 if isinstance(call_or_error, ToolCall):
                     calls.append(call_or_error)
                 else:

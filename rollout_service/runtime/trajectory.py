@@ -1,7 +1,9 @@
 """Building the token-level trajectory: ids and logprobs appended exactly as received."""
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, Trajectory, Turn
 
@@ -14,7 +16,7 @@ class TrajectoryBuilder:
         self.logprobs: list[float] = []
         self.turns: list[Turn] = []
         self.messages = [dict(m) for m in messages]
-        self._unsettled: list[tuple[Turn, Callable[[], Optional[int]]]] = []
+        self._unsettled: list[tuple[Turn, Callable[[], int | None]]] = []
 
     @property
     def context_ids(self) -> list[int]:
@@ -24,19 +26,37 @@ class TrajectoryBuilder:
     def context_len(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
-    def add_generation(self, token_ids: list[int], logprobs: list[float], *, backend_id: str,
-                       policy_version: Optional[int], finish_reason: str, latency_s: float,
-                       moved_from: Optional[str] = None,
-                       ended_under: Optional[Callable[[], Optional[int]]] = None) -> None:
+    def add_generation(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        *,
+        backend_id: str,
+        policy_version: int | None,
+        finish_reason: str,
+        latency_s: float,
+        moved_from: str | None = None,
+        ended_under: Callable[[], int | None] | None = None,
+    ) -> None:
         """``ended_under``: answers the policy version when the call ended (read later, by ``settle``)."""
         if len(token_ids) != len(logprobs):
             from rollout_service.errors import BackendError
 
-            raise BackendError(f"backend {backend_id} returned {len(token_ids)} ids but "
-                               f"{len(logprobs)} logprobs; is logprobs requested and supported?")
+            raise BackendError(
+                f"backend {backend_id} returned {len(token_ids)} ids but "
+                f"{len(logprobs)} logprobs; is logprobs requested and supported?"
+            )
         self.settle()
-        turn = Turn(start=0, end=0, kind="generation", backend_id=backend_id, policy_version=policy_version,
-                    finish_reason=finish_reason, latency_s=latency_s, moved_from=moved_from)
+        turn = Turn(
+            start=0,
+            end=0,
+            kind="generation",
+            backend_id=backend_id,
+            policy_version=policy_version,
+            finish_reason=finish_reason,
+            latency_s=latency_s,
+            moved_from=moved_from,
+        )
         self._append(token_ids, logprobs, 1, turn)
         if ended_under is not None:
             self._unsettled.append((turn, ended_under))
@@ -52,8 +72,9 @@ class TrajectoryBuilder:
         self._unsettled.clear()
 
     def add_observation(self, token_ids: list[int], latency_s: float) -> None:
-        self._append(token_ids, [0.0] * len(token_ids), 0,
-                     Turn(start=0, end=0, kind="observation", latency_s=latency_s))
+        self._append(
+            token_ids, [0.0] * len(token_ids), 0, Turn(start=0, end=0, kind="observation", latency_s=latency_s)
+        )
 
     def _append(self, ids: list[int], logprobs: list[float], mask: int, turn: Turn) -> None:
         turn.start = len(self.response_ids)
@@ -63,10 +84,16 @@ class TrajectoryBuilder:
         turn.end = len(self.response_ids)
         self.turns.append(turn)
 
-    def build(self, finish_reason: FinishReason, reward: Optional[float] = None) -> Trajectory:
+    def build(self, finish_reason: FinishReason, reward: float | None = None) -> Trajectory:
         self.settle()
         return Trajectory(
-            prompt_ids=self.prompt_ids, response_ids=self.response_ids, loss_mask=self.loss_mask,
-            logprobs=self.logprobs, turns=self.turns, messages=self.messages, reward=reward,
-            finish_reason=finish_reason, truncated=finish_reason in TRUNCATING_REASONS,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            turns=self.turns,
+            messages=self.messages,
+            reward=reward,
+            finish_reason=finish_reason,
+            truncated=finish_reason in TRUNCATING_REASONS,
         )

@@ -10,9 +10,11 @@
 Kinds: ``bwrap`` (bubblewrap), ``singularity`` (also Apptainer), ``local`` (no isolation).
 Inside each, ``rollout_service.tools.action_server`` answers on a Unix socket.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rollout_service.errors import UnknownName
 from rollout_service.sandbox.base import Sandbox, SandboxSpec

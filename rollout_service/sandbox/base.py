@@ -1,5 +1,6 @@
 """What every sandbox kind shares: the spec, the interface, the socket client and the
 start/execute/stop lifecycle of an action server child process."""
+
 from __future__ import annotations
 
 import atexit
@@ -17,12 +18,13 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
-from rollout_service.errors import SandboxError
 from rollout_service.concurrency.green import green_process, in_background, wait_ready
+from rollout_service.errors import SandboxError
 from rollout_service.sandbox.processes import (
-    kill_tree, make_scratch_dir,
+    kill_tree,
+    make_scratch_dir,
 )
 from rollout_service.settings import get_settings
 
@@ -36,7 +38,9 @@ START_TIMEOUT_S = 60.0
 CALL_GRACE_S = 30.0
 MAX_SOCKET_PATH = 107
 BOOTSTRAP = "import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.action_server import main; main()"
-SCRIPT_BOOTSTRAP = "import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.confine import run_script; run_script()"
+SCRIPT_BOOTSTRAP = (
+    "import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.confine import run_script; run_script()"
+)
 MAX_SCRIPT_OUTPUT_BYTES = 4 * 1024 * 1024
 
 
@@ -57,13 +61,13 @@ class SandboxSpec:
 
 class Sandbox(Protocol):
     sandbox_id: str
-    boot_s: Optional[float]
+    boot_s: float | None
 
     def start(self) -> None: ...
 
     def execute(self, tool: str, args: dict, timeout_s: float) -> dict: ...
 
-    def run(self, timeout_s: float) -> tuple[Optional[int], str]: ...
+    def run(self, timeout_s: float) -> tuple[int | None, str]: ...
 
     def stop(self) -> None: ...
 
@@ -71,7 +75,7 @@ class Sandbox(Protocol):
 class ActionClient:
     """One persistent connection to an action server; newline-delimited JSON each way."""
 
-    def __init__(self, path: str, connected: Optional[socket.socket] = None) -> None:
+    def __init__(self, path: str, connected: socket.socket | None = None) -> None:
         self.path = path
         if connected is None:
             connected = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -81,7 +85,7 @@ class ActionClient:
         self._lock = threading.Lock()
 
     @classmethod
-    def over(cls, connected: socket.socket) -> "ActionClient":
+    def over(cls, connected: socket.socket) -> ActionClient:
         """A client on a socket already connected to the server (a socketpair's end)."""
         return cls("", connected)
 
@@ -107,7 +111,9 @@ def _stop_turns() -> threading.BoundedSemaphore:
     gevent's patching in a green worker)."""
     turns = _turns.get(os.getpid())
     if turns is None:
-        turns = _turns.setdefault(os.getpid(), threading.BoundedSemaphore(max(get_settings().sandbox_concurrent_stops, 1)))
+        turns = _turns.setdefault(
+            os.getpid(), threading.BoundedSemaphore(max(get_settings().sandbox_concurrent_stops, 1))
+        )
     return turns
 
 
@@ -118,7 +124,7 @@ class BackgroundStart:
     def __init__(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox
         self.waited_s = 0.0
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._started = threading.Event()
         in_background(self._start, name=f"start-{sandbox.sandbox_id}")
 
@@ -144,7 +150,7 @@ class BackgroundStart:
         return self.ready().execute(tool, args, timeout_s)
 
     @property
-    def boot_s(self) -> Optional[float]:
+    def boot_s(self) -> float | None:
         """How long the start took (None if it failed), once it is over."""
         self._started.wait()
         return self.sandbox.boot_s
@@ -180,8 +186,9 @@ def host_import_paths() -> list[str]:
     return list(dict.fromkeys([package_root(), str(Path(ptyprocess.__file__).resolve().parents[1])]))
 
 
-def server_arguments(spec: SandboxSpec, socket_path: str, workspace: str, import_paths: list[str],
-                     run_site: bool = False) -> list[str]:
+def server_arguments(
+    spec: SandboxSpec, socket_path: str, workspace: str, import_paths: list[str], run_site: bool = False
+) -> list[str]:
     """Python arguments that start the action server with ``import_paths`` first on sys.path.
 
     ``-I``: the workspace (the current directory) is never on sys.path, so a file there cannot
@@ -189,11 +196,24 @@ def server_arguments(spec: SandboxSpec, socket_path: str, workspace: str, import
     .pth processing: 7 ms instead of 20 ms per boot on the host's venv. A spec with a ``script``
     runs that script, confined the same way, instead of the server."""
     flags = ["-I", *([] if run_site else ["-S"])]
-    limits = ["--workspace", workspace, "--memory-mb", str(spec.memory_mb), "--cpu-time-s", str(spec.cpu_time_s),
-              "--max-procs", str(spec.max_procs)]
+    limits = [
+        "--workspace",
+        workspace,
+        "--memory-mb",
+        str(spec.memory_mb),
+        "--cpu-time-s",
+        str(spec.cpu_time_s),
+        "--max-procs",
+        str(spec.max_procs),
+    ]
     if spec.script:
-        return [*flags, "-c", SCRIPT_BOOTSTRAP.format(paths=list(import_paths)), *limits,
-                *(part for arg in spec.script for part in ("--argv", arg))]
+        return [
+            *flags,
+            "-c",
+            SCRIPT_BOOTSTRAP.format(paths=list(import_paths)),
+            *limits,
+            *(part for arg in spec.script for part in ("--argv", arg)),
+        ]
     return [
         *flags,
         "-c", BOOTSTRAP.format(paths=list(import_paths)),
@@ -206,7 +226,7 @@ def server_arguments(spec: SandboxSpec, socket_path: str, workspace: str, import
     ]  # fmt: skip
 
 
-_held: dict[str, "ServerSandbox"] = {}  # started by this process (a forked child inherits, but does not own, them)
+_held: dict[str, ServerSandbox] = {}  # started by this process (a forked child inherits, but does not own, them)
 
 
 @atexit.register
@@ -264,20 +284,26 @@ class Spawned:
     def __init__(self, argv: list[str], stderr: Any) -> None:
         read_end, write_end = os.pipe()
         try:
-            self.pid = os.posix_spawnp(argv[0], argv, dict(os.environ), setsid=True, file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_DUP2, write_end, 1),
-                (os.POSIX_SPAWN_DUP2, stderr.fileno(), 2),
-            ])
+            self.pid = os.posix_spawnp(
+                argv[0],
+                argv,
+                dict(os.environ),
+                setsid=True,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_DUP2, write_end, 1),
+                    (os.POSIX_SPAWN_DUP2, stderr.fileno(), 2),
+                ],
+            )
         except BaseException:
             os.close(read_end)
             raise
         finally:
             os.close(write_end)
         self.stdout = os.fdopen(read_end, "rb", buffering=0)
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -287,7 +313,7 @@ class Spawned:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -306,11 +332,11 @@ class SandboxProcess(Protocol):
     def stdout(self) -> Any: ...
 
     @property
-    def returncode(self) -> Optional[int]: ...
+    def returncode(self) -> int | None: ...
 
-    def poll(self) -> Optional[int]: ...
+    def poll(self) -> int | None: ...
 
-    def wait(self, timeout: Optional[float] = None) -> int: ...
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 class ServerSandbox:
@@ -381,7 +407,7 @@ class ServerSandbox:
                 f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check that Redis is reachable"
             ) from exc
 
-    def run(self, timeout_s: float) -> tuple[Optional[int], str]:
+    def run(self, timeout_s: float) -> tuple[int | None, str]:
         """A one-shot sandbox: run ``spec.script`` to its end (killed after ``timeout_s``) and stop.
         Returns (exit code, None when it was killed; its stdout then stderr, each capped)."""
         if not self.spec.script:
@@ -399,8 +425,9 @@ class ServerSandbox:
             with open(self._log_path or "", "rb") as log_file:
                 errors = log_file.read(MAX_SCRIPT_OUTPUT_BYTES)
         except OSError as exc:
-            raise SandboxError(f"{self.kind} sandbox failed to run {self.spec.script[0]}: {exc}; "
-                               f"{self._log_tail()}") from exc
+            raise SandboxError(
+                f"{self.kind} sandbox failed to run {self.spec.script[0]}: {exc}; {self._log_tail()}"
+            ) from exc
         finally:
             self.stop()
         return exit_code, output.decode("utf-8", "replace") + errors.decode("utf-8", "replace")
@@ -414,8 +441,14 @@ class ServerSandbox:
             if green_process() and not popen_options:
                 self.process = Spawned(argv, log_file)
             else:
-                self.process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                               stderr=log_file, start_new_session=True, **popen_options)
+                self.process = _launcher.popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=log_file,
+                    start_new_session=True,
+                    **popen_options,
+                )
 
     def _started_process(self) -> SandboxProcess:
         if self.process is None:
@@ -446,7 +479,7 @@ class ServerSandbox:
             if not chunk:
                 return b"".join(chunks), True
             if size < MAX_SCRIPT_OUTPUT_BYTES:
-                chunks.append(chunk[:MAX_SCRIPT_OUTPUT_BYTES - size])
+                chunks.append(chunk[: MAX_SCRIPT_OUTPUT_BYTES - size])
                 size += len(chunks[-1])
 
     def execute(self, tool: str, args: dict, timeout_s: float) -> dict:
@@ -565,7 +598,7 @@ class ServerSandbox:
         env.update(self.spec.env)
         return env
 
-    def __enter__(self) -> "ServerSandbox":
+    def __enter__(self) -> ServerSandbox:
         self.start()
         return self
 

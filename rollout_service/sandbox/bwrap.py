@@ -6,6 +6,7 @@ CAP_SETUID/CAP_SETGID, sets its resource limits and switches to a uid leased for
 alone before it serves anything. That matters because the kernel does not enforce
 RLIMIT_NPROC for uid 0, and counts it per uid: one uid per sandbox is what contains a fork bomb.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -20,8 +21,9 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
+from rollout_service.concurrency.green import green_process, wait_ready
 from rollout_service.errors import SandboxError
 from rollout_service.sandbox.base import (
     INNER_SOCKET,
@@ -29,14 +31,13 @@ from rollout_service.sandbox.base import (
     INNER_WORKSPACE,
     START_TIMEOUT_S,
     ActionClient,
-    ServerSandbox,
     SandboxSpec,
+    ServerSandbox,
     Spawned,
     _launcher,
     host_import_paths,
     server_arguments,
 )
-from rollout_service.concurrency.green import green_process, wait_ready
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000
@@ -45,11 +46,18 @@ UID_LOCK_DIR = "/run/rollout-sandbox-uids"
 PRIVATE_TOP_LEVEL = {"proc", "dev", "tmp", "run", "workspace", "lost+found"}
 PRIVATE_PER_SANDBOX = ("/tmp", "/dev/shm", "/run")
 HOST_VIEW = "/.rollout-host"  # the host's root inside the fork server, for binding workspaces; never in a sandbox
-FORK_SERVER_BOOTSTRAP = ("import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.zygote import main; main()")
+FORK_SERVER_BOOTSTRAP = "import sys; sys.path[:0] = {paths!r}; from rollout_service.tools.zygote import main; main()"
 # CAP_KILL: a sandbox's init runs under the sandbox's uid, and the kernel checks the dying server's
 # right to signal it before it sends the init its parent-death signal
-FORK_SERVER_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_NET_ADMIN", "CAP_DAC_READ_SEARCH", "CAP_KILL",
-                    "CAP_SYS_NICE")  # a booted sandbox back at nice 0 where autogroups are off
+FORK_SERVER_CAPS = (
+    "CAP_SYS_ADMIN",
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_NET_ADMIN",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_KILL",
+    "CAP_SYS_NICE",
+)  # a booted sandbox back at nice 0 where autogroups are off
 
 
 class UidLease:
@@ -60,7 +68,7 @@ class UidLease:
         self._fd = fd
 
     @classmethod
-    def acquire(cls, lock_dir: str = UID_LOCK_DIR) -> "UidLease":
+    def acquire(cls, lock_dir: str = UID_LOCK_DIR) -> UidLease:
         os.makedirs(lock_dir, mode=0o700, exist_ok=True)
         first = random.randrange(SANDBOX_UID_SLOTS)
         for offset in range(SANDBOX_UID_SLOTS):
@@ -170,7 +178,9 @@ def host_root_mounts() -> list[str]:
 def _bwrap() -> str:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
-        raise SandboxError("bwrap is not installed: apt-get install bubblewrap, or set ROLLOUT_SANDBOX=singularity (or =local for no isolation, development only)")
+        raise SandboxError(
+            "bwrap is not installed: apt-get install bubblewrap, or set ROLLOUT_SANDBOX=singularity (or =local for no isolation, development only)"
+        )
     return bwrap
 
 
@@ -237,16 +247,34 @@ def fork_server_argv(control_fd: int) -> list[str]:
     """The bwrap command of the fork server (``rollout_service.tools.zygote``): the sandboxes' layout
     (their own /tmp, /dev/shm, /run, /proc and /dev/pts are mounted per sandbox), no network, the host's
     root at HOST_VIEW to bind workspaces from, and the capabilities to make namespaces and mounts."""
-    argv = [_bwrap(), "--die-with-parent", "--new-session", "--clearenv",
-            "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    argv = [
+        _bwrap(),
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--unshare-ipc",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+    ]
     argv += ["--cap-drop", "ALL"]
     for capability in FORK_SERVER_CAPS:
         argv += ["--cap-add", capability]
     argv += _layout("1048576", (), check_access=True)
     argv += ["--dir", INNER_WORKSPACE, "--bind", "/", HOST_VIEW, "--remount-ro", "/", "--hostname", "sandbox"]
     boot_niceness = min(max(get_settings().sandbox_boot_niceness, 0), 19)
-    argv += ["--", sys.executable, "-I", "-S", "-c", FORK_SERVER_BOOTSTRAP.format(paths=host_import_paths()),
-             "--control-fd", str(control_fd), "--boot-niceness", str(boot_niceness)]
+    argv += [
+        "--",
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        FORK_SERVER_BOOTSTRAP.format(paths=host_import_paths()),
+        "--control-fd",
+        str(control_fd),
+        "--boot-niceness",
+        str(boot_niceness),
+    ]
     return argv
 
 
@@ -256,17 +284,26 @@ def fork_mount_plan(spec: SandboxSpec, socket_dir: str, hide: tuple[str, ...]) -
     it lives under them), an empty directory over each of ``hide``, its workspace and socket directory,
     its own /proc and /dev/pts; then the host's root is detached."""
     size = tmp_size_bytes(spec)
-    plan: list[list[str]] = [["private", "/"], ["tmpfs", size, "1777", "/tmp"], ["tmpfs", size, "1777", "/dev/shm"],
-                             ["tmpfs", "1048576", "755", "/run"]]
+    plan: list[list[str]] = [
+        ["private", "/"],
+        ["tmpfs", size, "1777", "/tmp"],
+        ["tmpfs", size, "1777", "/dev/shm"],
+        ["tmpfs", "1048576", "755", "/run"],
+    ]
     for step, path in runtime_rebinds(list(PRIVATE_PER_SANDBOX), check_access=False):
         plan += [["dir", path]] if step == "dir" else [["dir", path], ["ro-bind", HOST_VIEW + path, path]]
     for path in hidden_paths(hide, list(PRIVATE_PER_SANDBOX)):
         plan.append(["tmpfs", "4096", "755", path])
     for path in spec.read_only:
         plan += [["dir", path], ["ro-bind", HOST_VIEW + os.path.realpath(path), path]]
-    plan += [["dir", INNER_SOCKET_DIR], ["bind", HOST_VIEW + os.path.realpath(socket_dir), INNER_SOCKET_DIR],
-             ["bind", HOST_VIEW + os.path.realpath(spec.workspace), INNER_WORKSPACE],
-             ["proc", "/proc"], ["devpts", "/dev/pts"], ["detach", HOST_VIEW]]
+    plan += [
+        ["dir", INNER_SOCKET_DIR],
+        ["bind", HOST_VIEW + os.path.realpath(socket_dir), INNER_SOCKET_DIR],
+        ["bind", HOST_VIEW + os.path.realpath(spec.workspace), INNER_WORKSPACE],
+        ["proc", "/proc"],
+        ["devpts", "/dev/pts"],
+        ["detach", HOST_VIEW],
+    ]
     return plan
 
 
@@ -320,8 +357,14 @@ class ForkServer:
                 if green_process():
                     self._process = Spawned(argv, log)
                 else:
-                    self._process = _launcher.popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                                                    start_new_session=True, pass_fds=(theirs.fileno(),))
+                    self._process = _launcher.popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        start_new_session=True,
+                        pass_fds=(theirs.fileno(),),
+                    )
         finally:
             theirs.close()
         fd = self._process.stdout.fileno()
@@ -372,11 +415,11 @@ class Forked:
     def __init__(self, pid: int, status_fd: int, stdout: Any = None) -> None:
         self.pid = pid
         self.stdout = stdout
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
         self._status = status_fd
         self._reading = threading.Lock()  # one reader at a time: the status pipe is closed once read
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         if self.returncode is None and self._reading.acquire(blocking=False):
             try:
                 if self.returncode is None and wait_ready(self._status, 0):
@@ -385,7 +428,7 @@ class Forked:
                 self._reading.release()
         return self.returncode
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: float | None = None) -> int:
         if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
             raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
         try:
@@ -443,10 +486,17 @@ class BwrapSandbox(ServerSandbox):
         self._prepare()
         assert self._lease is not None
         spec = self.spec
-        request = {"mounts": fork_mount_plan(spec, self.socket_dir or "", self.hidden()), "env": self.sandbox_env(),
-                   "tools": list(spec.tools), "memory_mb": spec.memory_mb, "cpu_time_s": spec.cpu_time_s,
-                   "max_procs": spec.max_procs, "user": f"{self._lease.uid}:{self._lease.uid}",
-                   "workspace": INNER_WORKSPACE, "script": list(spec.script)}
+        request = {
+            "mounts": fork_mount_plan(spec, self.socket_dir or "", self.hidden()),
+            "env": self.sandbox_env(),
+            "tools": list(spec.tools),
+            "memory_mb": spec.memory_mb,
+            "cpu_time_s": spec.cpu_time_s,
+            "max_procs": spec.max_procs,
+            "user": f"{self._lease.uid}:{self._lease.uid}",
+            "workspace": INNER_WORKSPACE,
+            "script": list(spec.script),
+        }
         status_read, status_write = os.pipe()
         if spec.script:
             ours, channel = os.pipe()

@@ -14,6 +14,7 @@ line of its stdout. A harness stopped before it wrote the file has no answer. Th
 the harness (its whole process group) when the stop file appears or its deadline passes, and ends
 with one line ``RESULT_MARKER {"exit_code", "answer", "stopped", "error"}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
 
 RESULT_MARKER = "ROLLOUT_HARNESS_RESULT"
 POLL_S = 0.1
@@ -69,7 +69,7 @@ def serve_forwarder(listener: socket.socket, unix_path: str) -> None:
         threading.Thread(target=relay, args=(client, unix_path), daemon=True).start()
 
 
-def run(command: list[str], env: dict[str, str], stop_file: str, deadline_s: float) -> tuple[int, Optional[str], str]:
+def run(command: list[str], env: dict[str, str], stop_file: str, deadline_s: float) -> tuple[int, str | None, str]:
     """(exit code, why it was stopped or None, last non-empty stdout line)."""
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, start_new_session=True)
     last_line = [""]
@@ -85,7 +85,7 @@ def run(command: list[str], env: dict[str, str], stop_file: str, deadline_s: flo
     copier = threading.Thread(target=copy_stdout, daemon=True)
     copier.start()
     ends_at = time.monotonic() + deadline_s
-    stopped: Optional[str] = None
+    stopped: str | None = None
     while child.poll() is None:
         if os.path.exists(stop_file):
             stopped = "stopped"
@@ -103,7 +103,7 @@ def run(command: list[str], env: dict[str, str], stop_file: str, deadline_s: flo
     return child.returncode, stopped, last_line[0]
 
 
-def locate(program: str, path: str, env_dir: Optional[str]) -> tuple[Optional[str], str]:
+def locate(program: str, path: str, env_dir: str | None) -> tuple[str | None, str]:
     """(the program's path, "") or (None, why it cannot be run: what was looked for, and where)."""
     if "/" in program:
         found = program if os.path.isfile(program) and os.access(program, os.X_OK) else None
@@ -112,12 +112,15 @@ def locate(program: str, path: str, env_dir: Optional[str]) -> tuple[Optional[st
     found = shutil.which(program, path=path)
     if found:
         return found, ""
-    hint = (f"the environment {env_dir} has no bin/{program}" if env_dir else
-            "name a prepared environment that provides it in agent.harness.env_dir (rollout-service harness install)")
+    hint = (
+        f"the environment {env_dir} has no bin/{program}"
+        if env_dir
+        else "name a prepared environment that provides it in agent.harness.env_dir (rollout-service harness install)"
+    )
     return None, f"the harness program {program!r} was not found on the sandbox's PATH ({path}); {hint}"
 
 
-def answer_from_json(spec: Optional[list]) -> Optional[str]:
+def answer_from_json(spec: list | None) -> str | None:
     """The answer a preset's agent left in a JSON file: ``[path, [key, ...]]``."""
     if not spec:
         return None
@@ -140,14 +143,20 @@ def harness_env(args: argparse.Namespace, port: int) -> dict[str, str]:
         if os.path.isfile(os.path.join(args.env_dir, "pyvenv.cfg")):
             env["VIRTUAL_ENV"] = args.env_dir
     base = f"http://127.0.0.1:{port}"
-    env.update({"OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_BASE": f"{base}/v1", "ANTHROPIC_BASE_URL": base,
-                "ROLLOUT_ANSWER_FILE": args.answer_file})
+    env.update(
+        {
+            "OPENAI_BASE_URL": f"{base}/v1",
+            "OPENAI_API_BASE": f"{base}/v1",
+            "ANTHROPIC_BASE_URL": base,
+            "ROLLOUT_ANSWER_FILE": args.answer_file,
+        }
+    )
     if "OPENAI_API_KEY" in env:
         env.setdefault("ANTHROPIC_API_KEY", env["OPENAI_API_KEY"])
     return env
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--socket", required=True, help="the job's endpoint (Unix socket)")
     parser.add_argument("--stop-file", required=True, help="the harness is killed once this file exists")

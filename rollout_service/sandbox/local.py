@@ -1,5 +1,6 @@
 """The ``local`` sandbox: the action server as a plain child process. No isolation at all:
 for development on machines without bubblewrap, and only when asked for by name."""
+
 from __future__ import annotations
 
 import logging
@@ -38,5 +39,8 @@ class LocalSandbox(ServerSandbox):
         env = self.sandbox_env()
         env["HOME"] = env["ROLLOUT_WORKSPACE"] = self.spec.workspace
         env["TMPDIR"] = self.private_tmp()
-        argv = [sys.executable, *server_arguments(self.spec, self.socket_path, self.spec.workspace, host_import_paths())]
+        argv = [
+            sys.executable,
+            *server_arguments(self.spec, self.socket_path, self.spec.workspace, host_import_paths()),
+        ]
         return argv, {"cwd": self.spec.workspace, "env": env}

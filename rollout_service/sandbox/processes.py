@@ -1,5 +1,6 @@
 """The host's processes and scratch directories behind sandboxes: naming a process across pid
 reuse, finding and killing a process tree, and reaping what dead owners left."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,6 @@ import shutil
 import signal
 import tempfile
 import time
-from typing import Optional
 
 from rollout_service.concurrency.priority import lower_priority_of
 from rollout_service.settings import get_settings
@@ -81,7 +81,7 @@ def owner_tag() -> str:
     return _owner_tags[pid]
 
 
-def make_scratch_dir(label: str, parent: Optional[str] = None) -> str:
+def make_scratch_dir(label: str, parent: str | None = None) -> str:
     """A new private directory named after this process (``rollout-<pid>.<ticks>-<label>-…``), in the
     sandbox scratch directory unless ``parent`` is given: once the process is gone, a reaper knows it is
     nobody's (``sweep_orphaned_scratch``), even if it was never registered anywhere."""

@@ -5,6 +5,7 @@ kind, socket_dir); ``rollout:sandbox:expiry`` is a sorted set of ids by expiry t
 ``rollout_sandboxes_alive`` gauge, so the reaper also takes the sandboxes of a worker that is gone
 (killed, or stopped before its background stops ran), not only the expired ones.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,8 +82,11 @@ def reap_expired(redis_client: Any, host: str | None = None) -> list[str]:
         if host is not None and record.get("host") != host:
             continue
         local = record.get("host") == here
-        orphaned = local and "owner_pid" in record and not owner_alive(
-            int(record["owner_pid"] or 0), int(record.get("owner_start") or -1))
+        orphaned = (
+            local
+            and "owner_pid" in record
+            and not owner_alive(int(record["owner_pid"] or 0), int(record.get("owner_start") or -1))
+        )
         if expiry > now and not orphaned:
             continue
         if local:

@@ -8,6 +8,7 @@ spython pitfalls handled here: flags go in ``options`` (``contain=`` is ignored)
 lists (strings are split on spaces), ``build`` gets ``sudo=False``, and the binary it names
 (``singularity``) is swapped for ``apptainer`` when only that is installed.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -22,8 +23,8 @@ from rollout_service.sandbox.base import (
     INNER_SOCKET,
     INNER_SOCKET_DIR,
     INNER_WORKSPACE,
-    ServerSandbox,
     SandboxSpec,
+    ServerSandbox,
     server_arguments,
 )
 from rollout_service.settings import get_settings
@@ -63,7 +64,10 @@ def singularity_argv(spec: SandboxSpec, image: str, socket_dir: str) -> list[str
         options += ["--env", f"{key}={value}"]
     for path in spec.read_only:
         options += ["--bind", f"{path}:{path}:ro"]
-    command = [RUNTIME_PYTHON, *server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, [RUNTIME_PACKAGES], run_site=True)]
+    command = [
+        RUNTIME_PYTHON,
+        *server_arguments(spec, INNER_SOCKET, INNER_WORKSPACE, [RUNTIME_PACKAGES], run_site=True),
+    ]
     argv = client._init_command("exec")
     argv += client._generate_bind_list([f"{spec.workspace}:{INNER_WORKSPACE}", f"{socket_dir}:{INNER_SOCKET_DIR}"])
     argv += options + [image] + command

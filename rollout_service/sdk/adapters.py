@@ -19,9 +19,11 @@ a format that cannot hold several samples per trajectory (TRL) refuses them with
   (prompt + response), ``action_ranges`` (each generation's ``[start, end)`` in it),
   ``rollout_log_probs`` over the whole sequence (0.0 outside actions), ``reward``, ``scores``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from rollout_service.errors import TrainerFormatError
 from rollout_service.schemas import FinishReason, Segment, Trajectory
@@ -34,24 +36,30 @@ SLIME_STATUS_FAILED = "failed"
 
 def segments_of(trajectory: Trajectory) -> list[Segment]:
     """The trajectory's segments in order: the top-level one, then ``trajectory.segments``."""
-    first = Segment(prompt_ids=trajectory.prompt_ids, response_ids=trajectory.response_ids,
-                    loss_mask=trajectory.loss_mask, logprobs=trajectory.logprobs, turns=trajectory.turns,
-                    messages=trajectory.messages)
+    first = Segment(
+        prompt_ids=trajectory.prompt_ids,
+        response_ids=trajectory.response_ids,
+        loss_mask=trajectory.loss_mask,
+        logprobs=trajectory.logprobs,
+        turns=trajectory.turns,
+        messages=trajectory.messages,
+    )
     return [first, *trajectory.segments]
 
 
-def _reward(trajectory: Trajectory, reward: Optional[float]) -> float:
+def _reward(trajectory: Trajectory, reward: float | None) -> float:
     return float(reward if reward is not None else trajectory.reward or 0.0)
 
 
-def _rewards(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Optional[float]]]) -> list[float]:
+def _rewards(trajectories: Sequence[Trajectory], rewards: Sequence[float | None] | None) -> list[float]:
     if rewards is not None and len(rewards) != len(trajectories):
-        raise TrainerFormatError(f"got {len(rewards)} rewards for {len(trajectories)} trajectories; "
-                                 "give one per trajectory")
+        raise TrainerFormatError(
+            f"got {len(rewards)} rewards for {len(trajectories)} trajectories; give one per trajectory"
+        )
     return [_reward(t, rewards[i] if rewards is not None else None) for i, t in enumerate(trajectories)]
 
 
-def _finish_reason(trajectory: Trajectory) -> Optional[str]:
+def _finish_reason(trajectory: Trajectory) -> str | None:
     return trajectory.finish_reason.value if trajectory.finish_reason else None
 
 
@@ -69,9 +77,14 @@ def _num_generations(segment: Segment) -> int:
     return sum(1 for turn in segment.turns if turn.kind == "generation")
 
 
-def to_verl(trajectories: Sequence[Trajectory], pad_token_id: int, prompt_length: int, response_length: int,
-            rewards: Optional[Sequence[Optional[float]]] = None, uids: Optional[Sequence[str]] = None
-            ) -> dict[str, Any]:
+def to_verl(
+    trajectories: Sequence[Trajectory],
+    pad_token_id: int,
+    prompt_length: int,
+    response_length: int,
+    rewards: Sequence[float | None] | None = None,
+    uids: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """verl's batch, one row per segment; ``prompt_length``/``response_length`` are verl's
     ``rollout.prompt_length``/``rollout.response_length``. A segment longer than either is refused
     (verl would cut it). ``uids``: one GRPO group id per trajectory (verl's ``uid``)."""
@@ -90,7 +103,8 @@ def to_verl(trajectories: Sequence[Trajectory], pad_token_id: int, prompt_length
                 f"trajectory {i} segment {j} has a {len(segment.prompt_ids)}-token prompt and a "
                 f"{len(segment.response_ids)}-token response; prompt_length={prompt_length}, "
                 f"response_length={response_length}: raise them (verl's rollout.prompt_length/response_length) "
-                "or cap the episode (sampling.max_model_len)")
+                "or cap the episode (sampling.max_model_len)"
+            )
     size = len(rows)
     prompts = torch.full((size, prompt_length), pad_token_id, dtype=torch.long)
     responses = torch.full((size, response_length), pad_token_id, dtype=torch.long)
@@ -102,8 +116,8 @@ def to_verl(trajectories: Sequence[Trajectory], pad_token_id: int, prompt_length
     for row, (i, _, segment) in enumerate(rows):
         n_prompt, n_response = len(segment.prompt_ids), len(segment.response_ids)
         if n_prompt:
-            prompts[row, prompt_length - n_prompt:] = torch.tensor(segment.prompt_ids)
-            prompt_attention[row, prompt_length - n_prompt:] = 1
+            prompts[row, prompt_length - n_prompt :] = torch.tensor(segment.prompt_ids)
+            prompt_attention[row, prompt_length - n_prompt :] = 1
         if n_response:
             responses[row, :n_response] = torch.tensor(segment.response_ids)
             response_attention[row, :n_response] = 1
@@ -118,8 +132,9 @@ def to_verl(trajectories: Sequence[Trajectory], pad_token_id: int, prompt_length
         "segment_index": np.array([j for _, j, _ in rows], dtype=np.int64),
         "reward": np.array([scores[i] for i, _, _ in rows], dtype=np.float32),
         "finish_reason": np.array([_finish_reason(trajectories[i]) for i, _, _ in rows], dtype=object),
-        "truncated": np.array([trajectories[i].truncated and is_last for (i, _, _), is_last in zip(rows, last)],
-                              dtype=bool),
+        "truncated": np.array(
+            [trajectories[i].truncated and is_last for (i, _, _), is_last in zip(rows, last)], dtype=bool
+        ),
     }
     if uids is not None:
         non_tensor_batch["uid"] = np.array([uids[i] for i, _, _ in rows], dtype=object)
@@ -139,8 +154,7 @@ def to_verl(trajectories: Sequence[Trajectory], pad_token_id: int, prompt_length
     }
 
 
-def to_trl(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Optional[float]]] = None
-           ) -> dict[str, list[Any]]:
+def to_trl(trajectories: Sequence[Trajectory], rewards: Sequence[float | None] | None = None) -> dict[str, list[Any]]:
     """What a TRL ``rollout_func(prompts, trainer)`` returns for these trajectories, one row per
     trajectory (TRL scores and groups one completion per prompt, so a multi-segment trajectory is
     refused)."""
@@ -150,7 +164,8 @@ def to_trl(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Option
                 f"trajectory {i} has {1 + len(t.segments)} segments (its harness rewrote the conversation); "
                 "TRL's rollout_func returns exactly one completion per prompt, so the later segments would be "
                 "lost: train it with to_verl, to_slime or to_openrlhf (a sample per segment), or use an agent "
-                "that only appends to its history")
+                "that only appends to its history"
+            )
     return {
         "prompt_ids": [list(t.prompt_ids) for t in trajectories],
         "completion_ids": [list(t.response_ids) for t in trajectories],
@@ -169,8 +184,11 @@ def slime_status(trajectory: Trajectory) -> str:
     return SLIME_STATUS_TRUNCATED if trajectory.truncated else SLIME_STATUS_COMPLETED
 
 
-def to_slime(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Optional[float]]] = None,
-             labels: Optional[Sequence[Optional[str]]] = None) -> list[dict[str, Any]]:
+def to_slime(
+    trajectories: Sequence[Trajectory],
+    rewards: Sequence[float | None] | None = None,
+    labels: Sequence[str | None] | None = None,
+) -> list[dict[str, Any]]:
     """slime ``Sample.to_dict()`` documents, one per segment: ``tokens`` (prompt + response),
     ``response_length``, ``loss_mask`` and ``rollout_log_probs`` over the response,
     ``weight_versions`` (each generation's policy version); earlier segments are ``completed``,
@@ -180,27 +198,40 @@ def to_slime(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Opti
     for i, t in enumerate(trajectories):
         parts = segments_of(t)
         for j, segment in enumerate(parts):
-            samples.append({
-                "index": len(samples),
-                "prompt": _prompt_messages(segment),
-                "tokens": list(segment.prompt_ids) + list(segment.response_ids),
-                "response_length": len(segment.response_ids),
-                "label": labels[i] if labels is not None else None,
-                "reward": scores[i],
-                "loss_mask": list(segment.loss_mask),
-                "rollout_log_probs": list(segment.logprobs),
-                "weight_versions": [str(turn.policy_version) for turn in segment.turns
-                                    if turn.kind == "generation" and turn.policy_version is not None],
-                "status": slime_status(t) if j == len(parts) - 1 else SLIME_STATUS_COMPLETED,
-                "metadata": {"finish_reason": _finish_reason(t), "num_turns": len(segment.turns),
-                             "trajectory_index": i, "segment_index": j, "segments": len(parts)},
-            })
+            samples.append(
+                {
+                    "index": len(samples),
+                    "prompt": _prompt_messages(segment),
+                    "tokens": list(segment.prompt_ids) + list(segment.response_ids),
+                    "response_length": len(segment.response_ids),
+                    "label": labels[i] if labels is not None else None,
+                    "reward": scores[i],
+                    "loss_mask": list(segment.loss_mask),
+                    "rollout_log_probs": list(segment.logprobs),
+                    "weight_versions": [
+                        str(turn.policy_version)
+                        for turn in segment.turns
+                        if turn.kind == "generation" and turn.policy_version is not None
+                    ],
+                    "status": slime_status(t) if j == len(parts) - 1 else SLIME_STATUS_COMPLETED,
+                    "metadata": {
+                        "finish_reason": _finish_reason(t),
+                        "num_turns": len(segment.turns),
+                        "trajectory_index": i,
+                        "segment_index": j,
+                        "segments": len(parts),
+                    },
+                }
+            )
     return samples
 
 
-def to_openrlhf(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[Optional[float]]] = None,
-                prompts: Optional[Sequence[str]] = None, labels: Optional[Sequence[Optional[str]]] = None
-                ) -> list[dict[str, Any]]:
+def to_openrlhf(
+    trajectories: Sequence[Trajectory],
+    rewards: Sequence[float | None] | None = None,
+    prompts: Sequence[str] | None = None,
+    labels: Sequence[str | None] | None = None,
+) -> list[dict[str, Any]]:
     """OpenRLHF agent-executor outputs, one per segment, for its ``_process_response_into_experience``.
     ``truncated`` is set on the last segment of an episode a limit cut."""
     scores = _rewards(trajectories, rewards)
@@ -209,22 +240,25 @@ def to_openrlhf(trajectories: Sequence[Trajectory], rewards: Optional[Sequence[O
         parts = segments_of(t)
         for j, segment in enumerate(parts):
             offset = len(segment.prompt_ids)
-            samples.append({
-                "prompt": prompts[i] if prompts is not None else "",
-                "label": labels[i] if labels is not None else None,
-                "images": None,
-                "mm_train_inputs": None,
-                "reward": scores[i],
-                "scores": scores[i],
-                "observation_tokens": list(segment.prompt_ids) + list(segment.response_ids),
-                "action_ranges": [(offset + turn.start, offset + turn.end) for turn in segment.turns
-                                  if turn.kind == "generation"],
-                "rollout_log_probs": [0.0] * offset + list(segment.logprobs),
-                "truncated": t.truncated and j == len(parts) - 1,
-                "extra_logs": {"num_generations": _num_generations(segment)},
-                "trajectory_index": i,
-                "segment_index": j,
-            })
+            samples.append(
+                {
+                    "prompt": prompts[i] if prompts is not None else "",
+                    "label": labels[i] if labels is not None else None,
+                    "images": None,
+                    "mm_train_inputs": None,
+                    "reward": scores[i],
+                    "scores": scores[i],
+                    "observation_tokens": list(segment.prompt_ids) + list(segment.response_ids),
+                    "action_ranges": [
+                        (offset + turn.start, offset + turn.end) for turn in segment.turns if turn.kind == "generation"
+                    ],
+                    "rollout_log_probs": [0.0] * offset + list(segment.logprobs),
+                    "truncated": t.truncated and j == len(parts) - 1,
+                    "extra_logs": {"num_generations": _num_generations(segment)},
+                    "trajectory_index": i,
+                    "segment_index": j,
+                }
+            )
     return samples
 
 

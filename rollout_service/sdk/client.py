@@ -1,10 +1,12 @@
 """Trainer-side SDK: submit tasks, wait for jobs, fetch token-level trajectories."""
+
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import httpx
 import msgpack
@@ -12,14 +14,25 @@ import orjson
 
 from rollout_service.errors import ApiError, DeadlineExceeded
 from rollout_service.schemas import (
-    MAX_WAIT_JOBS, BackendView, FinishReason, JobView, ScoreResponse, SubmitResponse, Trajectory, Turn,
+    MAX_WAIT_JOBS,
+    BackendView,
+    BatchCreated,
+    BatchGroup,
+    BatchGroupsPage,
+    BatchView,
+    FinishReason,
+    JobView,
+    ScoreResponse,
+    SubmitResponse,
+    Trajectory,
+    Turn,
 )
-from rollout_service.schemas import BatchCreated, BatchGroup, BatchGroupsPage, BatchView
 
 
 class RolloutClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8006", token: Optional[str] = None,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8006", token: str | None = None, timeout_s: float = 60.0
+    ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
         self._control_timeout_s = max(timeout_s, 120.0)  # the service waits for every engine's answer
@@ -27,15 +40,16 @@ class RolloutClient:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- jobs -------------------------------------------------------------------------
-    def submit(self, task: dict[str, Any], *, n: int = 1, idempotency_key: Optional[str] = None,
-               **fields: Any) -> SubmitResponse:
+    def submit(
+        self, task: dict[str, Any], *, n: int = 1, idempotency_key: str | None = None, **fields: Any
+    ) -> SubmitResponse:
         """``fields``: sampling, agent, timeouts, metadata, max_policy_lag (as in POST /v1/jobs)."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         body = {"task": task, "n": n, **{k: v for k, v in fields.items() if v is not None}}
@@ -50,15 +64,20 @@ class RolloutClient:
     def trajectory(self, job_id: str) -> Trajectory:
         return Trajectory.model_validate(self._call("GET", f"/v1/jobs/{job_id}/trajectory", msgpack_body=True))
 
-    def submit_many(self, jobs: list[dict[str, Any]], idempotency_key: Optional[str] = None
-                    ) -> list[SubmitResponse]:
+    def submit_many(self, jobs: list[dict[str, Any]], idempotency_key: str | None = None) -> list[SubmitResponse]:
         """Submit many job bodies (as POST /v1/jobs takes them) in one request; answers in order."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         doc = self._call("POST", "/v1/jobs/bulk", json={"jobs": jobs}, headers=headers)
         return [SubmitResponse.model_validate(s) for s in doc["submissions"]]
 
-    def wait(self, job_ids: Iterable[str], timeout_s: float = 600.0, poll_s: Optional[float] = None,
-             on_done: Optional[Callable[[JobView], Any]] = None, long_poll_s: float = 30.0) -> list[JobView]:
+    def wait(
+        self,
+        job_ids: Iterable[str],
+        timeout_s: float = 600.0,
+        poll_s: float | None = None,
+        on_done: Callable[[JobView], Any] | None = None,
+        long_poll_s: float = 30.0,
+    ) -> list[JobView]:
         """Long-poll POST /v1/jobs/wait until every job is terminal; ``on_done(view)`` is called
         once per finished job as it ends. ``poll_s`` is accepted for compatibility and unused."""
         order = list(dict.fromkeys(job_ids))
@@ -68,11 +87,17 @@ class RolloutClient:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DeadlineExceeded(f"{len(pending)} jobs still running after {timeout_s:.0f} s: "
-                                       f"{pending[:5]}; wait longer or cancel them")
+                raise DeadlineExceeded(
+                    f"{len(pending)} jobs still running after {timeout_s:.0f} s: "
+                    f"{pending[:5]}; wait longer or cancel them"
+                )
             wait_s = min(left, long_poll_s)
-            doc = self._call("POST", "/v1/jobs/wait", timeout=wait_s + 60,
-                             json={"job_ids": pending[:MAX_WAIT_JOBS], "timeout_s": wait_s, "min_finished": 1})
+            doc = self._call(
+                "POST",
+                "/v1/jobs/wait",
+                timeout=wait_s + 60,
+                json={"job_ids": pending[:MAX_WAIT_JOBS], "timeout_s": wait_s, "min_finished": 1},
+            )
             for raw in doc["finished"]:
                 view = JobView.model_validate(raw)
                 done[view.job_id] = view
@@ -88,27 +113,44 @@ class RolloutClient:
         found: dict[str, Trajectory] = {}
         for start in range(0, len(ids), chunk):
             with collector_paused():  # millions of ids and logprobs: a full collection would walk them all
-                doc = self._call("POST", "/v1/jobs/trajectories", msgpack_body=True,
-                                 json={"job_ids": ids[start:start + chunk]})
+                doc = self._call(
+                    "POST", "/v1/jobs/trajectories", msgpack_body=True, json={"job_ids": ids[start : start + chunk]}
+                )
                 for job_id, raw in doc["trajectories"].items():
                     if raw is not None:
                         found[job_id] = stored_trajectory(raw)
         return found
 
-    def list_jobs(self, status: Optional[str] = None, group_id: Optional[str] = None,
-                  batch_id: Optional[str] = None, limit: int = 100, cursor: Optional[str] = None
-                  ) -> tuple[list[JobView], Optional[str]]:
+    def list_jobs(
+        self,
+        status: str | None = None,
+        group_id: str | None = None,
+        batch_id: str | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> tuple[list[JobView], str | None]:
         """One page of GET /v1/jobs, newest first: (views, cursor of the next page or None)."""
-        params = {k: v for k, v in {"status": status, "group_id": group_id, "batch_id": batch_id,
-                                    "limit": limit, "cursor": cursor}.items() if v is not None}
+        params = {
+            k: v
+            for k, v in {
+                "status": status,
+                "group_id": group_id,
+                "batch_id": batch_id,
+                "limit": limit,
+                "cursor": cursor,
+            }.items()
+            if v is not None
+        }
         doc = self._call("GET", "/v1/jobs", params=params)
         return [JobView.model_validate(v) for v in doc["jobs"]], doc["cursor"]
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
-        return ScoreResponse.model_validate(self._call("POST", "/v1/score", json={"task": task, "submission": submission}))
+        return ScoreResponse.model_validate(
+            self._call("POST", "/v1/score", json={"task": task, "submission": submission})
+        )
 
     # -- backends ---------------------------------------------------------------------
-    def add_backend(self, url: str, kind: str, model: str, tokenizer: Optional[str] = None) -> BackendView:
+    def add_backend(self, url: str, kind: str, model: str, tokenizer: str | None = None) -> BackendView:
         body = {"url": url, "kind": kind, "model": model, **({"tokenizer": tokenizer} if tokenizer else {})}
         return BackendView.model_validate(self._call("POST", "/v1/backends", json=body))
 
@@ -118,8 +160,7 @@ class RolloutClient:
     def remove_backend(self, backend_id: str) -> None:
         self._call("DELETE", f"/v1/backends/{backend_id}")
 
-    def pause(self, wait_s: float = 0.0, ttl_s: Optional[float] = None, mode: Optional[str] = None
-              ) -> dict[str, Any]:
+    def pause(self, wait_s: float = 0.0, ttl_s: float | None = None, mode: str | None = None) -> dict[str, Any]:
         """Stop new LLM calls and pause every engine for a weight sync. ``mode``: ``"wait"`` (the
         server's default) lets calls in flight finish, ``"keep"`` freezes them in the engines until
         resume, ``"abort"`` drops them. The pause lifts by itself after ``ttl_s`` (server default
@@ -132,48 +173,83 @@ class RolloutClient:
             params["mode"] = mode
         return self._call("POST", "/v1/backends/pause", params=params, timeout=wait_s + self._control_timeout_s)
 
-    def resume(self, policy_version: Optional[int] = None) -> dict[str, Any]:
+    def resume(self, policy_version: int | None = None) -> dict[str, Any]:
         body = {} if policy_version is None else {"policy_version": policy_version}
         return self._call("POST", "/v1/backends/resume", json=body, timeout=self._control_timeout_s)
 
-    def update_weights(self, model_path: str, model: Optional[str] = None, policy_version: Optional[int] = None,
-                       timeout_s: float = 900.0) -> dict[str, Any]:
+    def update_weights(
+        self, model_path: str, model: str | None = None, policy_version: int | None = None, timeout_s: float = 900.0
+    ) -> dict[str, Any]:
         """Every engine of ``model`` (default: the only model served) loads the weights saved in
         ``model_path`` (``save_pretrained``; a directory the engines can read); answers once all
         did. An engine that failed is an ApiError (502) naming it; the policy version then stays."""
-        body = {"model_path": str(model_path), **({"model": model} if model else {}),
-                **({} if policy_version is None else {"policy_version": policy_version})}
+        body = {
+            "model_path": str(model_path),
+            **({"model": model} if model else {}),
+            **({} if policy_version is None else {"policy_version": policy_version}),
+        }
         return self._call("POST", "/v1/backends/update_weights", json=body, timeout=timeout_s)
 
     # -- batches --------------------------------------------------------------------
-    def batch(self, tasks: list[dict[str, Any]], *, group_size: int, target_groups: int,
-              max_inflight_groups: Optional[int] = None, filter: str = "none",
-              on_failure: str = "drop_group", max_rollout_retries: Optional[int] = None,
-              trajectories: bool = True, progress: bool = True, wait_s: float = 10.0,
-              timeout_s: Optional[float] = None, idempotency_key: Optional[str] = None,
-              **fields: Any) -> "BatchRun":
+    def batch(
+        self,
+        tasks: list[dict[str, Any]],
+        *,
+        group_size: int,
+        target_groups: int,
+        max_inflight_groups: int | None = None,
+        filter: str = "none",
+        on_failure: str = "drop_group",
+        max_rollout_retries: int | None = None,
+        trajectories: bool = True,
+        progress: bool = True,
+        wait_s: float = 10.0,
+        timeout_s: float | None = None,
+        idempotency_key: str | None = None,
+        **fields: Any,
+    ) -> BatchRun:
         """Submit a batch (POST /v1/batches); iterate the result for its accepted groups as they come.
 
         ``filter="nonuniform_reward"`` keeps only groups whose rewards differ (DAPO dynamic
         sampling). ``fields``: sampling, agent, timeouts, metadata, max_policy_lag.
         """
-        body = {"tasks": tasks, "group_size": group_size, "target_groups": target_groups,
-                "max_inflight_groups": max_inflight_groups, "filter": filter, "on_failure": on_failure,
-                "max_rollout_retries": max_rollout_retries, **fields}
+        body = {
+            "tasks": tasks,
+            "group_size": group_size,
+            "target_groups": target_groups,
+            "max_inflight_groups": max_inflight_groups,
+            "filter": filter,
+            "on_failure": on_failure,
+            "max_rollout_retries": max_rollout_retries,
+            **fields,
+        }
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        created = BatchCreated.model_validate(self._call(
-            "POST", "/v1/batches", json={k: v for k, v in body.items() if v is not None}, headers=headers))
-        return BatchRun(self, created.batch_id, target_groups, trajectories=trajectories,
-                        progress=progress, wait_s=wait_s, timeout_s=timeout_s)
+        created = BatchCreated.model_validate(
+            self._call("POST", "/v1/batches", json={k: v for k, v in body.items() if v is not None}, headers=headers)
+        )
+        return BatchRun(
+            self,
+            created.batch_id,
+            target_groups,
+            trajectories=trajectories,
+            progress=progress,
+            wait_s=wait_s,
+            timeout_s=timeout_s,
+        )
 
     def batch_status(self, batch_id: str) -> BatchView:
         return BatchView.model_validate(self._call("GET", f"/v1/batches/{batch_id}"))
 
     def batch_groups(self, batch_id: str, after: str = "0", wait_s: float = 0.0) -> BatchGroupsPage:
         """One long-poll: accepted groups after ``after`` (a cursor from the previous page)."""
-        return BatchGroupsPage.model_validate(self._call(
-            "GET", f"/v1/batches/{batch_id}/groups", params={"after": after, "wait": wait_s},
-            timeout=wait_s + self.http.timeout.read if self.http.timeout.read else None))
+        return BatchGroupsPage.model_validate(
+            self._call(
+                "GET",
+                f"/v1/batches/{batch_id}/groups",
+                params={"after": after, "wait": wait_s},
+                timeout=wait_s + self.http.timeout.read if self.http.timeout.read else None,
+            )
+        )
 
     def cancel_batch(self, batch_id: str) -> BatchView:
         return BatchView.model_validate(self._call("POST", f"/v1/batches/{batch_id}/cancel"))
@@ -204,8 +280,17 @@ class BatchRun:
     ``with`` block cancels the batch if it is still running.
     """
 
-    def __init__(self, client: RolloutClient, batch_id: str, target_groups: int, *, trajectories: bool = True,
-                 progress: bool = True, wait_s: float = 10.0, timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        client: RolloutClient,
+        batch_id: str,
+        target_groups: int,
+        *,
+        trajectories: bool = True,
+        progress: bool = True,
+        wait_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> None:
         self.client = client
         self.batch_id = batch_id
         self.target_groups = target_groups
@@ -236,7 +321,8 @@ class BatchRun:
                 if deadline is not None and time.monotonic() > deadline:
                     raise DeadlineExceeded(
                         f"batch {self.batch_id} still running after {self.timeout_s:.0f} s "
-                        f"({page.accepted}/{self.target_groups} accepted); wait longer or cancel it")
+                        f"({page.accepted}/{self.target_groups} accepted); wait longer or cancel it"
+                    )
 
     def groups(self) -> list[BatchGroup]:
         return list(self)
@@ -247,7 +333,7 @@ class BatchRun:
     def cancel(self) -> BatchView:
         return self.client.cancel_batch(self.batch_id)
 
-    def __enter__(self) -> "BatchRun":
+    def __enter__(self) -> BatchRun:
         return self
 
     def __exit__(self, *exc: object) -> None:

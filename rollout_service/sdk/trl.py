@@ -16,20 +16,22 @@ metrics: the jobs' stage timings (``rollout/*_s``), the rollouts' policy version
 seconds (``sync/*_s``) and, with ``check_logprobs=True``, the largest gap between the trainer's
 log-probabilities of the returned tokens and the engine's (``rollout/logprob_gap_max``).
 """
+
 from __future__ import annotations
 
 import shutil
 import statistics
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from transformers import TrainerCallback
 
-from rollout_service.sdk.adapters import to_trl
-from rollout_service.sdk.client import RolloutClient
 from rollout_service.errors import TrainerFormatError
 from rollout_service.schemas import JobView, Trajectory
+from rollout_service.sdk.adapters import to_trl
+from rollout_service.sdk.client import RolloutClient
 
 PROMPT_FIELDS = ("problem", "question", "prompt", "problem_statement")
 STAGES = ("queued_s", "init_s", "run_s", "eval_s")
@@ -40,8 +42,10 @@ def task_prompt(task: Mapping[str, Any]) -> str:
     for name in PROMPT_FIELDS:
         if isinstance(task.get(name), str):
             return task[name]
-    raise TrainerFormatError(f"task {dict(task)!r} has none of the fields {', '.join(PROMPT_FIELDS)}; "
-                             "pass prompt_of= to ServiceRollouts to name its prompt")
+    raise TrainerFormatError(
+        f"task {dict(task)!r} has none of the fields {', '.join(PROMPT_FIELDS)}; "
+        "pass prompt_of= to ServiceRollouts to name its prompt"
+    )
 
 
 def service_reward(completions: list[Any], reward: list[float], **_: Any) -> list[float]:
@@ -49,7 +53,7 @@ def service_reward(completions: list[Any], reward: list[float], **_: Any) -> lis
     return list(reward)
 
 
-def _metrics(trainer: Any) -> Optional[dict[str, list[float]]]:
+def _metrics(trainer: Any) -> dict[str, list[float]] | None:
     store = getattr(trainer, "_metrics", None)
     if store is None:
         return None
@@ -59,21 +63,36 @@ def _metrics(trainer: Any) -> Optional[dict[str, list[float]]]:
 class ServiceRollouts:
     """TRL's ``rollout_func`` over the service, for ``tasks`` (task documents as POST /v1/jobs takes)."""
 
-    def __init__(self, client: RolloutClient, tasks: Sequence[Mapping[str, Any]], *,
-                 sampling: Optional[dict[str, Any]] = None, agent: Optional[dict[str, Any]] = None,
-                 timeouts: Optional[dict[str, Any]] = None, model: Optional[str] = None,
-                 sync_dir: str | Path = "weight-sync", keep_checkpoints: int = 2, timeout_s: float = 1800.0,
-                 check_logprobs: bool = False, prompt_of: Callable[[Mapping[str, Any]], str] = task_prompt) -> None:
+    def __init__(
+        self,
+        client: RolloutClient,
+        tasks: Sequence[Mapping[str, Any]],
+        *,
+        sampling: dict[str, Any] | None = None,
+        agent: dict[str, Any] | None = None,
+        timeouts: dict[str, Any] | None = None,
+        model: str | None = None,
+        sync_dir: str | Path = "weight-sync",
+        keep_checkpoints: int = 2,
+        timeout_s: float = 1800.0,
+        check_logprobs: bool = False,
+        prompt_of: Callable[[Mapping[str, Any]], str] = task_prompt,
+    ) -> None:
         self.client = client
         self.tasks: dict[str, dict[str, Any]] = {}
         for task in tasks:
             prompt = prompt_of(task)
             if self.tasks.setdefault(prompt, dict(task)) != dict(task):
-                raise TrainerFormatError(f"two different tasks share the prompt {prompt!r}; TRL passes prompts only, "
-                                         "so each task needs its own (pass prompt_of= to tell them apart)")
+                raise TrainerFormatError(
+                    f"two different tasks share the prompt {prompt!r}; TRL passes prompts only, "
+                    "so each task needs its own (pass prompt_of= to tell them apart)"
+                )
         self.model = model
-        self.fields = {"sampling": {**(sampling or {}), **({"model": model} if model else {})},
-                       "agent": agent, "timeouts": timeouts}
+        self.fields = {
+            "sampling": {**(sampling or {}), **({"model": model} if model else {})},
+            "agent": agent,
+            "timeouts": timeouts,
+        }
         self.sync_dir = Path(sync_dir)
         self.keep_checkpoints = keep_checkpoints
         self.timeout_s = timeout_s
@@ -88,7 +107,7 @@ class ServiceRollouts:
 
         return Dataset.from_dict({"prompt": list(self.tasks)})
 
-    def weight_sync(self) -> "WeightSync":
+    def weight_sync(self) -> WeightSync:
         return WeightSync(self)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
@@ -97,11 +116,13 @@ class ServiceRollouts:
         counts: dict[str, int] = {}
         for prompt in prompts:
             if not isinstance(prompt, str) or prompt not in self.tasks:
-                raise TrainerFormatError(f"prompt {prompt!r} is not one of this ServiceRollouts' tasks; "
-                                         "train on ServiceRollouts.dataset()")
+                raise TrainerFormatError(
+                    f"prompt {prompt!r} is not one of this ServiceRollouts' tasks; train on ServiceRollouts.dataset()"
+                )
             counts[prompt] = counts.get(prompt, 0) + 1
-        jobs = [{"task": self.tasks[p], "n": n, **{k: v for k, v in self.fields.items() if v}}
-                for p, n in counts.items()]
+        jobs = [
+            {"task": self.tasks[p], "n": n, **{k: v for k, v in self.fields.items() if v}} for p, n in counts.items()
+        ]
         submissions = self.client.submit_many(jobs)
         job_ids = {p: list(s.job_ids) for p, s in zip(counts, submissions)}
         views = self.client.wait([j for ids in job_ids.values() for j in ids], timeout_s=self.timeout_s)
@@ -127,8 +148,14 @@ class ServiceRollouts:
         eos = trainer.processing_class.eos_token_id if hasattr(trainer.processing_class, "eos_token_id") else 0
         return trajectory.model_copy(update={"response_ids": [eos], "logprobs": [0.0], "loss_mask": [0]})
 
-    def _log(self, trainer: Any, views: list[JobView], trajectories: list[Trajectory], seconds: float,
-             output: dict[str, list[Any]]) -> None:
+    def _log(
+        self,
+        trainer: Any,
+        views: list[JobView],
+        trajectories: list[Trajectory],
+        seconds: float,
+        output: dict[str, list[Any]],
+    ) -> None:
         metrics = _metrics(trainer)
         if metrics is None:
             return
@@ -137,14 +164,19 @@ class ServiceRollouts:
             values = [getattr(v.timings, stage) for v in views if getattr(v.timings, stage) is not None]
             if values:
                 metrics[f"rollout/{stage}"].append(statistics.fmean(values))
-        versions = [turn.policy_version for t in trajectories for turn in t.turns
-                    if turn.kind == "generation" and turn.policy_version is not None]
+        versions = [
+            turn.policy_version
+            for t in trajectories
+            for turn in t.turns
+            if turn.kind == "generation" and turn.policy_version is not None
+        ]
         if versions:
             metrics["rollout/policy_version_min"].append(min(versions))
             metrics["rollout/policy_version_max"].append(max(versions))
         metrics["rollout/failed"].append(sum(v.status.value != "completed" for v in views))
-        metrics["rollout/tool_calls"].append(statistics.fmean(
-            sum(1 for turn in t.turns if turn.kind == "observation") for t in trajectories))
+        metrics["rollout/tool_calls"].append(
+            statistics.fmean(sum(1 for turn in t.turns if turn.kind == "observation") for t in trajectories)
+        )
         if self.check_logprobs:
             metrics["rollout/logprob_gap_max"].append(logprob_gap(trainer.model, output))
 
@@ -157,11 +189,12 @@ def logprob_gap(model: Any, output: Mapping[str, list[Any]]) -> float:
     largest = 0.0
     device = next(model.parameters()).device
     with torch.no_grad():
-        for prompt, completion, logprobs, mask in zip(output["prompt_ids"], output["completion_ids"],
-                                                      output["logprobs"], output["env_mask"]):
+        for prompt, completion, logprobs, mask in zip(
+            output["prompt_ids"], output["completion_ids"], output["logprobs"], output["env_mask"]
+        ):
             ids = torch.tensor([list(prompt) + list(completion)], device=device)
-            logits = model(input_ids=ids).logits.float()[0, len(prompt) - 1:-1]
-            mine = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt):, None])[:, 0].cpu()
+            logits = model(input_ids=ids).logits.float()[0, len(prompt) - 1 : -1]
+            mine = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu()
             chosen = torch.tensor(mask, dtype=torch.bool)
             if chosen.any():
                 gap = (mine - torch.tensor(logprobs, dtype=torch.float32))[chosen].abs().max()
@@ -207,8 +240,12 @@ class WeightSync(TrainerCallback):
             shutil.rmtree(self.saved.pop(0), ignore_errors=True)
         metrics = _metrics(self.rollouts.trainer) if self.rollouts.trainer is not None else None
         if metrics is not None:
-            for name, seconds in (("save_s", saved - started), ("pause_s", paused - saved),
-                                  ("update_s", updated - paused), ("resume_s", resumed - updated)):
+            for name, seconds in (
+                ("save_s", saved - started),
+                ("pause_s", paused - saved),
+                ("update_s", updated - paused),
+                ("resume_s", resumed - updated),
+            ):
                 metrics[f"sync/{name}"].append(seconds)
             metrics["sync/policy_version"].append(step)
         return control

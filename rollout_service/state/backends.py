@@ -18,13 +18,15 @@ number of concurrent workers and a crash can never lose or double-count an assig
 Scripts build key names from the prefix (standalone Redis or Sentinel; not Redis Cluster,
 which kombu does not support either).
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import httpx
 import redis
@@ -39,6 +41,7 @@ FAILURES_TO_UNHEALTHY = 2
 
 class AllBackendsDown(NoBackendAvailable):
     """Every backend of the model is unhealthy (its engines may be restarting): worth waiting for."""
+
 
 FirstCall = Callable[[], tuple[BackendView | str, bool]]  # BackendPool.first_call_soon's answer
 PROBE_THREADS = 32
@@ -62,7 +65,9 @@ local function version() return redis.call('GET', key('version')) or '0' end
 """
 _LUA_KEYS = _lua_keys(1)
 
-_REGISTER = _LUA_KEYS + """
+_REGISTER = (
+    _LUA_KEYS
+    + """
 local id, url, kind, model, tokenizer, healthy = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local info = key('info', id)
 local old_model = redis.call('HGET', info, 'model')
@@ -79,8 +84,11 @@ redis.call('SADD', key('ids'), id)
 redis.call('SADD', key('models'), model)
 return 1
 """
+)
 
-_REMOVE = _LUA_KEYS + """
+_REMOVE = (
+    _LUA_KEYS
+    + """
 local id = ARGV[2]
 local info = key('info', id)
 local model = redis.call('HGET', info, 'model')
@@ -97,6 +105,7 @@ if redis.call('ZCARD', heap) == 0 then redis.call('SREM', key('models'), model) 
 redis.call('SREM', key('ids'), id)
 return 1
 """
+)
 
 # acquire(job, model) -> {'ok', view row, version, '1' if the job held no backend before} or an error
 # tuple the client turns into an exception.
@@ -155,7 +164,9 @@ _ACQUIRE = _LUA_ACQUIRE + "return acquire(ARGV[2], ARGV[3])"
 # '1' for a first call sent before the job's stage began: its model is the one init recorded for an
 # episode that calls the LLM first ('later' if it recorded none). An 'ok' answer's 4th element is '1'
 # when this call made the job's assignment.
-_START_CALL = _LUA_ACQUIRE + """
+_START_CALL = (
+    _LUA_ACQUIRE
+    + """
 local job = redis.call('HMGET', ARGV[4], 'cancel_requested', 'first_call_model')
 if job[1] == '1' then return {'cancelled'} end
 local model = ARGV[3]
@@ -168,11 +179,16 @@ local answer = acquire(ARGV[2], model)
 if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), ARGV[2], 1) end
 return answer
 """
+)
 
 # The run stage's begin (store.BEGIN_STAGE_FUNCTION) and, once begun, its first LLM call (as
 # _START_CALL's for a first call), in one script: ARGV after the begin's: prefix, job. Answers
 # {the begin's answer, the first call's ('later' if init recorded no model) or false}.
-_BEGIN_RUN = BEGIN_STAGE_FUNCTION + _lua_keys(BEGIN_STAGE_ARGS + 1) + _ACQUIRE_FUNCTION + """
+_BEGIN_RUN = (
+    BEGIN_STAGE_FUNCTION
+    + _lua_keys(BEGIN_STAGE_ARGS + 1)
+    + _ACQUIRE_FUNCTION
+    + """
 local begun = begin_stage()
 if begun[1] ~= 'ok' then return {begun, false} end
 local job = ARGV[BEGIN_STAGE_ARGS + 2]
@@ -183,8 +199,11 @@ local answer = acquire(job, model)
 if answer[1] == 'ok' then redis.call('HINCRBY', key('calls'), job, 1) end
 return {begun, answer}
 """.replace("BEGIN_STAGE_ARGS", str(BEGIN_STAGE_ARGS))
+)
 
-_RELEASE = _LUA_KEYS + """
+_RELEASE = (
+    _LUA_KEYS
+    + """
 local job = ARGV[2]
 local job_key = key('job', job)
 local id = redis.call('GET', job_key)
@@ -197,16 +216,22 @@ end
 if tonumber(redis.call('HGET', key('calls'), job) or '1') <= 0 then redis.call('HDEL', key('calls'), job) end
 return id
 """
+)
 
-_SET_HEALTH = _LUA_KEYS + """
+_SET_HEALTH = (
+    _LUA_KEYS
+    + """
 local info = key('info', ARGV[2])
 if redis.call('EXISTS', info) == 0 then return -1 end
 redis.call('HSET', info, 'healthy', ARGV[3], 'failures', 0)
 return tonumber(ARGV[3])
 """
+)
 
 # ARGV: prefix, id, '1' probe ok | '0' probe failed, failures needed to go unhealthy.
-_RECORD_PROBE = _LUA_KEYS + """
+_RECORD_PROBE = (
+    _LUA_KEYS
+    + """
 local info = key('info', ARGV[2])
 if redis.call('EXISTS', info) == 0 then return -1 end
 if ARGV[3] == '1' then
@@ -218,8 +243,11 @@ if redis.call('HINCRBY', info, 'failures', 1) >= tonumber(ARGV[4]) then
 end
 return tonumber(redis.call('HGET', info, 'healthy'))
 """
+)
 
-_RECONCILE = _LUA_KEYS + """
+_RECONCILE = (
+    _LUA_KEYS
+    + """
 local live = {}
 for i = 2, #ARGV do live[ARGV[i]] = true end
 local dropped = 0
@@ -250,9 +278,12 @@ for _, job in ipairs(redis.call('HKEYS', calls)) do
 end
 return dropped
 """
+)
 
 # {view rows of the given ids (all if none), version}
-_VIEWS = _LUA_KEYS + """
+_VIEWS = (
+    _LUA_KEYS
+    + """
 local ids = {}
 if #ARGV > 1 then
   for i = 2, #ARGV do ids[#ids + 1] = ARGV[i] end
@@ -266,10 +297,13 @@ for _, id in ipairs(ids) do
 end
 return {out, version()}
 """
+)
 
 # ARGV: prefix, version ('' : current + 1, or current if new weights were loaded during the pause),
 # '1' to lift the pause as well ('0': only move the version, the engines resume first).
-_RESUME = _LUA_KEYS + """
+_RESUME = (
+    _LUA_KEYS
+    + """
 local current = tonumber(redis.call('GET', key('version')) or '0')
 local version = current + 1
 if ARGV[2] ~= '' then version = tonumber(ARGV[2])
@@ -283,9 +317,12 @@ if ARGV[3] ~= '0' then
 end
 return {1, version}
 """
+)
 
 # New weights are in the engines: ARGV: prefix, their version ('' : current + 1).
-_WEIGHTS_LOADED = _LUA_KEYS + """
+_WEIGHTS_LOADED = (
+    _LUA_KEYS
+    + """
 local current = tonumber(redis.call('GET', key('version')) or '0')
 local version = current + 1
 if ARGV[2] ~= '' then version = tonumber(ARGV[2]) end
@@ -295,12 +332,16 @@ local pause_ms = redis.call('PTTL', key('paused'))
 if pause_ms > 0 then redis.call('SET', key('updated'), 1, 'PX', pause_ms) end
 return {1, version}
 """
+)
 
-_BEGIN_CALL = _LUA_KEYS + """
+_BEGIN_CALL = (
+    _LUA_KEYS
+    + """
 if redis.call('EXISTS', key('paused')) == 1 then return false end
 redis.call('HINCRBY', key('calls'), ARGV[2], 1)
 return tonumber(redis.call('GET', key('version')) or '0')
 """
+)
 
 # KEYS: the in-flight calls hash, the version key. ARGV: job.
 _END_CALL = """
@@ -311,22 +352,30 @@ return redis.call('GET', KEYS[2]) or '0'
 
 # The service's pause lapsed (its ttl) while the engines it paused are still paused: '1' for the one
 # caller that resumes them.
-_LAPSED = _LUA_KEYS + """
+_LAPSED = (
+    _LUA_KEYS
+    + """
 if redis.call('EXISTS', key('paused')) == 1 then return 0 end
 return redis.call('DEL', key('engines_paused'))
 """
+)
 
 
 # A run worker's call gate (llm.CallGate): its lease to start calls without a round trip each, a
 # member of key('gates') scored by when it closes (Redis time, ms).
-_LUA_GATES = _LUA_KEYS + """
+_LUA_GATES = (
+    _LUA_KEYS
+    + """
 local function now_ms() local t = redis.call('TIME') return t[1] * 1000 + math.floor(t[2] / 1000) end
 """
+)
 
 # ARGV: prefix, owner, lease ms, '1' while calls started under the gate are in flight. Refused while
 # paused (a gate still open and busy stays open, its calls counted by the pause until they end); else
 # open until now + lease. The last element: 1 if the gate had not lapsed (held since its last renewal).
-_RENEW_GATE = _LUA_GATES + """
+_RENEW_GATE = (
+    _LUA_GATES
+    + """
 local gates, now = key('gates'), now_ms()
 local open_until = redis.call('ZSCORE', gates, ARGV[2])
 local held = (open_until and tonumber(open_until) > now) and 1 or 0
@@ -337,13 +386,17 @@ end
 redis.call('ZADD', gates, now + tonumber(ARGV[3]), ARGV[2])
 return {'ok', version(), held}
 """
+)
 
 _RELEASE_GATE = _LUA_GATES + "return redis.call('ZREM', key('gates'), ARGV[2])"
 
-_OPEN_GATES = _LUA_GATES + """
+_OPEN_GATES = (
+    _LUA_GATES
+    + """
 redis.call('ZREMRANGEBYSCORE', key('gates'), '-inf', now_ms())
 return redis.call('ZCARD', key('gates'))
 """
+)
 
 
 def backend_id_for(url: str) -> str:
@@ -357,12 +410,42 @@ class BackendPool:
     def __init__(self, redis_client: redis.Redis, prefix: str = "rollout") -> None:
         self.redis = redis_client
         self.prefix = prefix
-        (self._register, self._remove, self._acquire, self._start_call, self._release, self._set_health,
-         self._record_probe, self._reconcile, self._views, self._resume, self._begin_call, self._end_call,
-         self._renew_gate, self._release_gate, self._open_gates, self._weights_loaded) = scripts_of(
-            redis_client, _REGISTER, _REMOVE, _ACQUIRE, _START_CALL, _RELEASE, _SET_HEALTH, _RECORD_PROBE,
-            _RECONCILE, _VIEWS, _RESUME, _BEGIN_CALL, _END_CALL, _RENEW_GATE, _RELEASE_GATE, _OPEN_GATES,
-            _WEIGHTS_LOADED)
+        (
+            self._register,
+            self._remove,
+            self._acquire,
+            self._start_call,
+            self._release,
+            self._set_health,
+            self._record_probe,
+            self._reconcile,
+            self._views,
+            self._resume,
+            self._begin_call,
+            self._end_call,
+            self._renew_gate,
+            self._release_gate,
+            self._open_gates,
+            self._weights_loaded,
+        ) = scripts_of(
+            redis_client,
+            _REGISTER,
+            _REMOVE,
+            _ACQUIRE,
+            _START_CALL,
+            _RELEASE,
+            _SET_HEALTH,
+            _RECORD_PROBE,
+            _RECONCILE,
+            _VIEWS,
+            _RESUME,
+            _BEGIN_CALL,
+            _END_CALL,
+            _RENEW_GATE,
+            _RELEASE_GATE,
+            _OPEN_GATES,
+            _WEIGHTS_LOADED,
+        )
         self._lapsed, self._begin_run = scripts_of(redis_client, _LAPSED, _BEGIN_RUN)
 
     def _key(self, *parts: str) -> str:
@@ -373,8 +456,9 @@ class BackendPool:
     def register(self, spec: BackendSpec, healthy: bool = True) -> BackendView:
         """Add (or update) the backend at ``spec.url``; ``healthy``: what its first probe said."""
         backend_id = backend_id_for(spec.url)
-        self._register(args=[self.prefix, backend_id, spec.url, spec.kind, spec.model,
-                             spec.tokenizer or spec.model, int(healthy)])
+        self._register(
+            args=[self.prefix, backend_id, spec.url, spec.kind, spec.model, spec.tokenizer or spec.model, int(healthy)]
+        )
         return self.get(backend_id)
 
     def remove(self, backend_id: str) -> None:
@@ -422,7 +506,9 @@ class BackendPool:
         start before, which would hold a counted call while a trainer waits to sync weights);
         ``"later"`` for the others. The answer also says whether this call made the job's
         assignment (``drop_first_call`` undoes an unused one)."""
-        return self._first_call_answer(submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"]))
+        return self._first_call_answer(
+            submit(self.redis, self._start_call, args=[self.prefix, job_id, "", job_key, "1"])
+        )
 
     def _first_call_answer(self, pending: Callable[[], Any]) -> FirstCall:
         replies: list[Any] = []  # read once: prepare and the first call both ask
@@ -437,15 +523,18 @@ class BackendPool:
             if len(replies) == 1:
                 replies.append((self._granted(reply), as_text(reply[3]) == "1"))
             return replies[1]
+
         return answer
 
     def first_call_with_begin(self, job_id: str, answers: list[FirstCall]) -> BeginCall:
         """``first_call_soon`` made by the script that begins the job's run stage
         (``JobStore.begin_stages(calls=...)``): one script call for both, and none for a job whose
         stage does not begin. Its answer is appended to ``answers``."""
+
         def answered(reply: Any) -> None:
             if reply is not None:
                 answers.append(self._first_call_answer(lambda: reply))
+
         return BeginCall(self._begin_run, [self.prefix, job_id], answered)
 
     def drop_first_call(self, job_id: str, answer: FirstCall) -> None:
@@ -528,8 +617,7 @@ class BackendPool:
             answers = list(pool.map(lambda view: _answers_health(client, view.url, timeout_s), backends))
         health = {}
         for view, ok in zip(backends, answers):
-            state = int(self._record_probe(
-                args=[self.prefix, view.id, int(ok), FAILURES_TO_UNHEALTHY]))
+            state = int(self._record_probe(args=[self.prefix, view.id, int(ok), FAILURES_TO_UNHEALTHY]))
             if state >= 0:
                 health[view.id] = bool(state)
         return health
@@ -591,38 +679,41 @@ class BackendPool:
         version = self._begin_call(args=[self.prefix, job_id])
         return None if version is None else int(version)
 
-    def end_call(self, job_id: str) -> Callable[[], Optional[int]]:
+    def end_call(self, job_id: str) -> Callable[[], int | None]:
         """The call is over. Its answer, the policy version when it ended, rides the next shared
         round trip: read it later (``TrajectoryBuilder`` does when the turn is settled), never wait.
         Harmless for a call that was not counted (its job's count never goes below 0)."""
         pending = submit(self.redis, self._end_call, keys=[self._key("calls"), self._key("version")], args=[job_id])
 
-        def version() -> Optional[int]:
+        def version() -> int | None:
             try:
                 return int(as_text(pending()))
             except Exception:  # a Redis blip: the turn records its start version only
                 return None
+
         return version
 
-    def end_counted_call(self, job_id: str) -> Callable[[], Optional[int]]:
+    def end_counted_call(self, job_id: str) -> Callable[[], int | None]:
         """``end_call`` for a call its start's answer says was counted, in two plain commands (its
         job's count stays at 0 until ``release``)."""
-        pending = submit_commands(self.redis, [("HINCRBY", self._key("calls"), job_id, -1),
-                                               ("GET", self._key("version"))])
+        pending = submit_commands(
+            self.redis, [("HINCRBY", self._key("calls"), job_id, -1), ("GET", self._key("version"))]
+        )
         return self._version_of(pending, 1)
 
-    def version_soon(self) -> Callable[[], Optional[int]]:
+    def version_soon(self) -> Callable[[], int | None]:
         """The policy version now, read with the next shared round trip (the end of a call its
         worker's gate carried, not counted here)."""
         return self._version_of(submit_commands(self.redis, [("GET", self._key("version"))]), 0)
 
     @staticmethod
-    def _version_of(pending: Callable[[], list[Any]], at: int) -> Callable[[], Optional[int]]:
-        def version() -> Optional[int]:
+    def _version_of(pending: Callable[[], list[Any]], at: int) -> Callable[[], int | None]:
+        def version() -> int | None:
             try:
                 return int(as_text(pending()[at] or 0))
             except Exception:  # a Redis blip: the turn records its start version only
                 return None
+
         return version
 
     def renew_gate(self, owner: str, lease_s: float) -> int | None:
@@ -658,13 +749,17 @@ class BackendPool:
 
         def answer() -> tuple[str, str]:
             if not sent:
-                sent.append(submit_commands(self.redis, [("HGET", job_key, "cancel_requested"),
-                                                         ("GET", self._key("job", job_id))]))
+                sent.append(
+                    submit_commands(
+                        self.redis, [("HGET", job_key, "cancel_requested"), ("GET", self._key("job", job_id))]
+                    )
+                )
             replies = sent[0]()
             if errors := [reply for reply in replies if isinstance(reply, Exception)]:
                 raise errors[0]
             cancel, assigned = replies
             return "cancelled" if as_text(cancel or b"") == "1" else "ok", as_text(assigned or b"")
+
         return answer
 
     def inflight_calls(self) -> int:
@@ -703,8 +798,14 @@ def _view(row: list[Any], version: Any) -> BackendView:
     as each LLM call of an episode reads one)."""
     id_, url, kind, model, tokenizer, healthy, total, live = [as_text(v) for v in row]
     return BackendView.model_construct(
-        id=id_, url=url, kind=kind, model=model, tokenizer=tokenizer, healthy=healthy == "1",
-        live_assignments=int(float(live)), total_assignments=int(total),
+        id=id_,
+        url=url,
+        kind=kind,
+        model=model,
+        tokenizer=tokenizer,
+        healthy=healthy == "1",
+        live_assignments=int(float(live)),
+        total_assignments=int(total),
         policy_version=int(version),
     )
 
@@ -742,8 +843,9 @@ ENGINE_RESUME_TIMEOUT_S = 30.0
 _SGLANG_PAUSE_MODES = {"keep": "in_place", "wait": "in_place", "abort": "abort"}  # SGLang drains nothing itself
 
 
-def _control_request(kind: str, action: str, mode: str, model_path: str
-                     ) -> tuple[str, dict[str, str], Optional[dict[str, Any]]]:
+def _control_request(
+    kind: str, action: str, mode: str, model_path: str
+) -> tuple[str, dict[str, str], dict[str, Any] | None]:
     """(path, query, JSON body) of ``action`` ("pause" | "resume" | "update_weights") on a ``kind`` engine."""
     if action == "pause":
         if kind == "sglang":
@@ -756,10 +858,12 @@ def _control_request(kind: str, action: str, mode: str, model_path: str
     return "/update_weights_from_disk", {}, {"model_path": model_path}
 
 
-def _control_error(kind: str, path: str, response: httpx.Response) -> Optional[str]:
+def _control_error(kind: str, path: str, response: httpx.Response) -> str | None:
     if response.status_code == 404 and kind == "vllm":
-        return (f"HTTP 404 from POST {path}: start vLLM with VLLM_SERVER_DEV_MODE=1 for its RL routes "
-                "(/pause, /resume, /collective_rpc)")
+        return (
+            f"HTTP 404 from POST {path}: start vLLM with VLLM_SERVER_DEV_MODE=1 for its RL routes "
+            "(/pause, /resume, /collective_rpc)"
+        )
     if not response.is_success:
         return f"HTTP {response.status_code} from POST {path}: {response.text[:500]}"
     if path == "/update_weights_from_disk":  # SGLang answers 200 {"success": false, "message"} too
@@ -772,8 +876,9 @@ def _control_error(kind: str, path: str, response: httpx.Response) -> Optional[s
     return None
 
 
-def _control_one(client: httpx.Client, view: BackendView, action: str, mode: str, model_path: str,
-                 timeout_s: float) -> EngineResult:
+def _control_one(
+    client: httpx.Client, view: BackendView, action: str, mode: str, model_path: str, timeout_s: float
+) -> EngineResult:
     path, params, payload = _control_request(view.kind, action, mode, model_path)
     started = time.monotonic()
     try:
@@ -783,16 +888,22 @@ def _control_one(client: httpx.Client, view: BackendView, action: str, mode: str
         error = f"no answer to POST {path} within {timeout_s:g} s"
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
         error = f"POST {path} failed: {type(exc).__name__}: {exc}"
-    return EngineResult(backend_id=view.id, url=view.url, kind=view.kind, ok=error is None, error=error,
-                        seconds=round(time.monotonic() - started, 3))
+    return EngineResult(
+        backend_id=view.id,
+        url=view.url,
+        kind=view.kind,
+        ok=error is None,
+        error=error,
+        seconds=round(time.monotonic() - started, 3),
+    )
 
 
-def control_engines(backends: list[BackendView], action: str, timeout_s: float, mode: str = "wait",
-                    model_path: str = "") -> list[EngineResult]:
+def control_engines(
+    backends: list[BackendView], action: str, timeout_s: float, mode: str = "wait", model_path: str = ""
+) -> list[EngineResult]:
     """Send ``action`` to every engine of ``backends`` at once; what each answered, in order (never raises)."""
     if not backends:
         return []
     client = _health_client()
     with ThreadPoolExecutor(min(PROBE_THREADS, len(backends))) as pool:
-        return list(pool.map(lambda view: _control_one(client, view, action, mode, model_path, timeout_s),
-                             backends))
+        return list(pool.map(lambda view: _control_one(client, view, action, mode, model_path, timeout_s), backends))

@@ -29,24 +29,34 @@ Keys, all under ``rollout:batch:<id>`` with the job TTL:
 - ``:accepted`` (list)   accepted group ids; the long-poll cursor indexes it
 - ``:to_cancel`` (zset)  jobs the batch no longer needs -> since when
 """
+
 from __future__ import annotations
 
 import contextlib
-
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import redis
 
-from rollout_service.state.enqueue import Enqueue
 from rollout_service.errors import NotFound, ValidationError
 from rollout_service.schemas import (
-    TERMINAL_STATUSES, BatchFilter, BatchGroup, BatchGroupsPage, BatchRequest, BatchStatus, BatchView,
-    FinishReason, GroupRollout, JobRequest, JobStatus,
+    TERMINAL_STATUSES,
+    BatchFilter,
+    BatchGroup,
+    BatchGroupsPage,
+    BatchRequest,
+    BatchStatus,
+    BatchView,
+    FinishReason,
+    GroupRollout,
+    JobRequest,
+    JobStatus,
 )
+from rollout_service.state.enqueue import Enqueue
 from rollout_service.state.store import PREFIX, JobStore, as_text, new_id
 from rollout_service.tasks import first_stage
 
@@ -138,16 +148,21 @@ end
 """
 
 # -> reserved group ids
-_START = _LUA_COMMON + """
+_START = (
+    _LUA_COMMON
+    + """
 if redis.call('HGET', b, 'status') ~= 'running' then return {} end
 local reserved = top_up()
 end_if_exhausted()
 return reserved
 """
+)
 
 # ARGV[4] group, ARGV[5] job, ARGV[6] job status, ARGV[7] reward, ARGV[8] finish reason
 # -> {decision, batch status, jobs to cancel, reservations to fill}
-_MEMBER_DONE = _LUA_COMMON + """
+_MEMBER_DONE = (
+    _LUA_COMMON
+    + """
 local gid, job, status, reward = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local batch_status = redis.call('HGET', b, 'status')
 if not batch_status then return {'unknown_batch', '', {}, {}} end
@@ -213,9 +228,12 @@ local reserved = top_up()
 end_if_exhausted()
 return {decision, redis.call('HGET', b, 'status'), cancel, reserved}
 """
+)
 
 # ARGV[4] group, ARGV[5] slot ('' for the whole group), ARGV[6..] job ids -> 1 attached | 0 not
-_ATTACH = _LUA_COMMON + """
+_ATTACH = (
+    _LUA_COMMON
+    + """
 local gid, slot = ARGV[4], ARGV[5]
 local group = gkey(gid)
 if redis.call('HGET', b, 'status') ~= 'running' then return 0 end
@@ -232,9 +250,12 @@ redis.call('HSET', group, 'slot:' .. slot, ARGV[6])
 redis.call('ZREM', key('pending'), gid .. '#' .. slot)
 return 1
 """
+)
 
 # -> {batch status, jobs to cancel}
-_CANCEL = _LUA_COMMON + """
+_CANCEL = (
+    _LUA_COMMON
+    + """
 local status = redis.call('HGET', b, 'status')
 if not status then return {'', {}} end
 if status ~= 'running' then return {status, {}} end
@@ -242,6 +263,7 @@ local jobs = cancel_in_flight()
 close('cancelled', 'cancelled')
 return {'cancelled', jobs}
 """
+)
 
 
 @dataclass
@@ -278,17 +300,33 @@ class BatchStore:
         """Store a new running batch and reserve its first groups: (batch_id, reserved group ids)."""
         batch_id = new_id("batch")
         max_inflight = request.max_inflight_groups or request.target_groups
-        job_fields = request.model_dump(mode="json", include={
-            "sampling", "agent", "timeouts", "max_policy_lag", "metadata"})
+        job_fields = request.model_dump(
+            mode="json", include={"sampling", "agent", "timeouts", "max_policy_lag", "metadata"}
+        )
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self._key(batch_id), mapping={
-            "status": BatchStatus.running.value, "reason": "", "created_at": time.time(), "finished_at": "",
-            "target": request.target_groups, "group_size": request.group_size,
-            "max_inflight": max_inflight, "filter": request.filter.value,
-            "on_failure": request.on_failure.value, "max_retries": request.max_rollout_retries,
-            "n_tasks": len(request.tasks), "next_task": 0, "group_prefix": f"group-{batch_id[6:]}-",
-            "accepted": 0, "dropped_uniform": 0, "dropped_failed": 0, "cancelled_groups": 0, "retried": 0,
-        })
+        pipe.hset(
+            self._key(batch_id),
+            mapping={
+                "status": BatchStatus.running.value,
+                "reason": "",
+                "created_at": time.time(),
+                "finished_at": "",
+                "target": request.target_groups,
+                "group_size": request.group_size,
+                "max_inflight": max_inflight,
+                "filter": request.filter.value,
+                "on_failure": request.on_failure.value,
+                "max_retries": request.max_rollout_retries,
+                "n_tasks": len(request.tasks),
+                "next_task": 0,
+                "group_prefix": f"group-{batch_id[6:]}-",
+                "accepted": 0,
+                "dropped_uniform": 0,
+                "dropped_failed": 0,
+                "cancelled_groups": 0,
+                "retried": 0,
+            },
+        )
         pipe.rpush(self._key(batch_id, "tasks"), *(json.dumps(t) for t in request.tasks))
         pipe.set(self._key(batch_id, "job"), json.dumps(job_fields))
         for part in ("", "tasks", "job"):
@@ -296,14 +334,17 @@ class BatchStore:
         pipe.execute()
         return batch_id, [as_text(r) for r in self._start(args=self._args(batch_id))]
 
-    def member_done(self, batch_id: str, group_id: str, job_id: str, status: str, reward: str,
-                    finish_reason: str) -> Decision:
+    def member_done(
+        self, batch_id: str, group_id: str, job_id: str, status: str, reward: str, finish_reason: str
+    ) -> Decision:
         kind, batch_status, cancel, reserved = self._member_done(
-            args=self._args(batch_id, group_id, job_id, status, reward, finish_reason))
-        return Decision(as_text(kind), as_text(batch_status), [as_text(j) for j in cancel],
-                        [as_text(r) for r in reserved])
+            args=self._args(batch_id, group_id, job_id, status, reward, finish_reason)
+        )
+        return Decision(
+            as_text(kind), as_text(batch_status), [as_text(j) for j in cancel], [as_text(r) for r in reserved]
+        )
 
-    def attach(self, batch_id: str, group_id: str, slot: Optional[int], job_ids: list[str]) -> bool:
+    def attach(self, batch_id: str, group_id: str, slot: int | None, job_ids: list[str]) -> bool:
         """Give a reservation its jobs, unless the batch or group moved on (then: False)."""
         return bool(self._attach(args=self._args(batch_id, group_id, "" if slot is None else slot, *job_ids)))
 
@@ -343,12 +384,16 @@ class BatchStore:
         return [as_text(gid) for gid in self.redis.lrange(self._key(batch_id, "groups"), 0, -1)]
 
     def pending(self, batch_id: str, older_than_s: float = 0.0) -> list[str]:
-        return [as_text(e) for e in self.redis.zrangebyscore(
-            self._key(batch_id, "pending"), "-inf", time.time() - older_than_s)]
+        return [
+            as_text(e)
+            for e in self.redis.zrangebyscore(self._key(batch_id, "pending"), "-inf", time.time() - older_than_s)
+        ]
 
     def to_cancel(self, batch_id: str, older_than_s: float = 0.0) -> list[str]:
-        return [as_text(j) for j in self.redis.zrangebyscore(
-            self._key(batch_id, "to_cancel"), "-inf", time.time() - older_than_s)]
+        return [
+            as_text(j)
+            for j in self.redis.zrangebyscore(self._key(batch_id, "to_cancel"), "-inf", time.time() - older_than_s)
+        ]
 
     def in_flight_groups(self, batch_id: str) -> list[str]:
         return [as_text(gid) for gid in self.redis.smembers(self._key(batch_id, "inflight"))]
@@ -356,20 +401,36 @@ class BatchStore:
     def view(self, batch_id: str) -> BatchView:
         f = self.fields(batch_id)
         n_tasks, next_task = int(f["n_tasks"]), int(f["next_task"])
-        cancelled = [int(grp["task_index"]) for grp in self._groups(batch_id, self.group_ids(batch_id))
-                     if grp.get("state") == "cancelled"] if f["status"] != BatchStatus.running.value else []
+        cancelled = (
+            [
+                int(grp["task_index"])
+                for grp in self._groups(batch_id, self.group_ids(batch_id))
+                if grp.get("state") == "cancelled"
+            ]
+            if f["status"] != BatchStatus.running.value
+            else []
+        )
         unstarted = [json.loads(t) for t in self.redis.lrange(self._key(batch_id, "tasks"), next_task, -1)]
         dropped_uniform, dropped_failed = int(f["dropped_uniform"]), int(f["dropped_failed"])
         return BatchView(
-            batch_id=batch_id, status=BatchStatus(f["status"]), reason=f["reason"] or None,
-            target_groups=int(f["target"]), group_size=int(f["group_size"]), accepted=int(f["accepted"]),
-            dropped=dropped_uniform + dropped_failed, dropped_uniform=dropped_uniform,
-            dropped_failed=dropped_failed, in_flight=self.redis.scard(self._key(batch_id, "inflight")),
-            cancelled_groups=int(f["cancelled_groups"]), retried_rollouts=int(f["retried"]),
-            tasks_total=n_tasks, tasks_started=next_task,
+            batch_id=batch_id,
+            status=BatchStatus(f["status"]),
+            reason=f["reason"] or None,
+            target_groups=int(f["target"]),
+            group_size=int(f["group_size"]),
+            accepted=int(f["accepted"]),
+            dropped=dropped_uniform + dropped_failed,
+            dropped_uniform=dropped_uniform,
+            dropped_failed=dropped_failed,
+            in_flight=self.redis.scard(self._key(batch_id, "inflight")),
+            cancelled_groups=int(f["cancelled_groups"]),
+            retried_rollouts=int(f["retried"]),
+            tasks_total=n_tasks,
+            tasks_started=next_task,
             remaining_tasks=[self.task(batch_id, i) for i in cancelled] + unstarted,
             remaining_task_indices=cancelled + list(range(next_task, n_tasks)),
-            created_at=float(f["created_at"]), finished_at=float(f["finished_at"]) if f["finished_at"] else None,
+            created_at=float(f["created_at"]),
+            finished_at=float(f["finished_at"]) if f["finished_at"] else None,
         )
 
     def accepted_count(self, batch_id: str) -> int:
@@ -378,12 +439,16 @@ class BatchStore:
     def groups_after(self, batch_id: str, cursor: int) -> BatchGroupsPage:
         status = self.status(batch_id)  # read first: "over" then means every group is in the list
         accepted = [as_text(gid) for gid in self.redis.lrange(self._key(batch_id, "accepted"), cursor, -1)]
-        groups = [self._accepted_group(batch_id, gid, grp)
-                  for gid, grp in zip(accepted, self._groups(batch_id, accepted))]
+        groups = [
+            self._accepted_group(batch_id, gid, grp) for gid, grp in zip(accepted, self._groups(batch_id, accepted))
+        ]
         f = self.fields(batch_id)
         return BatchGroupsPage(
-            groups=groups, cursor=str(cursor + len(groups)), status=status,
-            done=status != BatchStatus.running, accepted=int(f["accepted"]),
+            groups=groups,
+            cursor=str(cursor + len(groups)),
+            status=status,
+            done=status != BatchStatus.running,
+            accepted=int(f["accepted"]),
             dropped=int(f["dropped_uniform"]) + int(f["dropped_failed"]),
             in_flight=self.redis.scard(self._key(batch_id, "inflight")),
         )
@@ -399,12 +464,20 @@ class BatchStore:
         for slot in range(1, sum(1 for k in grp if k.startswith("slot:")) + 1):
             job_id = grp[f"slot:{slot}"]
             status, reward, reason = grp[f"result:{job_id}"].split("|")
-            rollouts.append(GroupRollout(job_id=job_id, status=JobStatus(status), reward=float(reward),
-                                         finish_reason=FinishReason(reason) if reason else None))
+            rollouts.append(
+                GroupRollout(
+                    job_id=job_id,
+                    status=JobStatus(status),
+                    reward=float(reward),
+                    finish_reason=FinishReason(reason) if reason else None,
+                )
+            )
         rewards = [r.reward or 0.0 for r in rollouts]
         return BatchGroup(
-            group_id=group_id, task_index=int(grp["task_index"]),
-            task=self.task(batch_id, int(grp["task_index"])), rollouts=rollouts,
+            group_id=group_id,
+            task_index=int(grp["task_index"]),
+            task=self.task(batch_id, int(grp["task_index"])),
+            rollouts=rollouts,
             reward_mean=statistics.fmean(rewards),
             reward_std=statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
         )
@@ -424,7 +497,7 @@ class BatchControl:
     """What the gateway and the control task do to a batch: submit, react to a finished member,
     cancel, and heal what a crashed worker left half done."""
 
-    def __init__(self, jobs: JobStore, enqueue: Enqueue, cancel: Optional[Cancel] = None) -> None:
+    def __init__(self, jobs: JobStore, enqueue: Enqueue, cancel: Cancel | None = None) -> None:
         self.jobs = jobs
         self.batches = BatchStore(jobs.redis, jobs.settings.job_ttl_s)
         self.enqueue = enqueue
@@ -451,8 +524,9 @@ class BatchControl:
         reward = f.get("reward", "")
         if status == JobStatus.completed and reward == "":
             status = JobStatus.failed  # a completed job without a reward is not a reward of 0
-        decision = self.batches.member_done(batch_id, f["group_id"], job_id, status.value, reward,
-                                            f.get("finish_reason", ""))
+        decision = self.batches.member_done(
+            batch_id, f["group_id"], job_id, status.value, reward, f.get("finish_reason", "")
+        )
         self.materialize(batch_id, decision.reserved)
         self.cancel_jobs(batch_id, decision.cancel)
         self.materialize(batch_id, self.batches.pending(batch_id, STALE_RESERVATION_S))
@@ -484,8 +558,11 @@ class BatchControl:
             group_id, _, slot_text = reservation.partition("#")
             slot = int(slot_text) if slot_text else None
             grp = self.batches.group(batch_id, group_id)
-            waiting = grp.get("state") == "reserved" if slot is None else \
-                grp.get("state") == "in_flight" and grp.get(f"slot:{slot}") == ""
+            waiting = (
+                grp.get("state") == "reserved"
+                if slot is None
+                else grp.get("state") == "in_flight" and grp.get(f"slot:{slot}") == ""
+            )
             if not waiting:
                 continue
             task = self.batches.task(batch_id, int(grp["task_index"]))
@@ -495,8 +572,9 @@ class BatchControl:
                 self.enqueue(job_ids, first_stage(request, self.jobs.settings))
             else:  # someone else filled it, or the batch is over: these were never enqueued
                 for job_id in job_ids:
-                    self.jobs.transition(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value,
-                                         finished_at=time.time())
+                    self.jobs.transition(
+                        job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value, finished_at=time.time()
+                    )
 
     def cancel_jobs(self, batch_id: str, job_ids: list[str]) -> None:
         for job_id in job_ids:
@@ -513,8 +591,11 @@ class BatchControl:
                     continue
                 fields = self.jobs.redis.hmget(JobStore.key(job_id), "status", "finished_at")
                 status, finished_at = (as_text(v) if v is not None else "" for v in fields)
-                if status in {s.value for s in TERMINAL_STATUSES} and finished_at and \
-                        time.time() - float(finished_at) > STALE_MEMBER_S:
+                if (
+                    status in {s.value for s in TERMINAL_STATUSES}
+                    and finished_at
+                    and time.time() - float(finished_at) > STALE_MEMBER_S
+                ):
                     undecided.append(job_id)
         return undecided
 
@@ -526,10 +607,13 @@ def validate(request: BatchRequest) -> None:
     if request.target_groups > len(request.tasks):
         raise ValidationError(
             f"target_groups ({request.target_groups}) exceeds the number of tasks ({len(request.tasks)}): "
-            "each task makes at most one group; pass more tasks or lower target_groups")
+            "each task makes at most one group; pass more tasks or lower target_groups"
+        )
     if request.filter == BatchFilter.nonuniform_reward and request.group_size < 2:
-        raise ValidationError("filter 'nonuniform_reward' needs group_size >= 2: a group of one always has "
-                              "uniform rewards and would never be accepted")
+        raise ValidationError(
+            "filter 'nonuniform_reward' needs group_size >= 2: a group of one always has "
+            "uniform rewards and would never be accepted"
+        )
     for i, task in enumerate(request.tasks):
         try:
             get_handler(task["domain"]).validate(task)

@@ -1,5 +1,6 @@
 """The gateway's door to the queues, injected by whoever builds the app (workers/wsgi.py passes
 workers.dispatch), so rollout_service never depends on the workers package."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable

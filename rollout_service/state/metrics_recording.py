@@ -8,6 +8,7 @@ the same CPU for their next call). ``metrics.render`` turns them into Prometheus
 holds ``<name>|<labels>|<le>`` -> observations in that bucket alone (made cumulative when
 rendered), plus ``<name>|<labels>|sum`` and ``<name>|<labels>|count``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -16,8 +17,9 @@ import functools
 import logging
 import threading
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any
 
 import redis
 
@@ -37,16 +39,43 @@ class Histogram:
     buckets: tuple[float, ...]
 
 
-_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-            600.0, 1800.0, 3600.0)
-HISTOGRAMS = {h.name: h for h in (
-    Histogram("rollout_stage_duration_seconds",
-              "Time of a job in each stage (queued = all waits for a worker, summed), at job end.", _SECONDS),
-    Histogram("rollout_llm_call_seconds", "Latency of one LLM call (a generation turn).", _SECONDS),
-    Histogram("rollout_tool_seconds",
-              "Time from a turn's parsed tool calls to its observation (all tool calls of the turn).", _SECONDS),
-    Histogram("rollout_sandbox_boot_seconds", "Sandbox start to its first answer.", _SECONDS),
-)}
+_SECONDS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
+HISTOGRAMS = {
+    h.name: h
+    for h in (
+        Histogram(
+            "rollout_stage_duration_seconds",
+            "Time of a job in each stage (queued = all waits for a worker, summed), at job end.",
+            _SECONDS,
+        ),
+        Histogram("rollout_llm_call_seconds", "Latency of one LLM call (a generation turn).", _SECONDS),
+        Histogram(
+            "rollout_tool_seconds",
+            "Time from a turn's parsed tool calls to its observation (all tool calls of the turn).",
+            _SECONDS,
+        ),
+        Histogram("rollout_sandbox_boot_seconds", "Sandbox start to its first answer.", _SECONDS),
+    )
+}
 COUNTERS = {
     "rollout_jobs_finished": "Jobs that reached a terminal state, by status and finish_reason.",
     "rollout_stage_redeliveries": "Deliveries of a stage beyond the first (worker lost), counted at job end.",
@@ -70,7 +99,7 @@ def bucket_of(histogram: Histogram, value: float) -> str:
     return _bucket_names(histogram.buckets)[index]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bucket_names(buckets: tuple[float, ...]) -> tuple[str, ...]:
     return (*(repr(le) for le in buckets), "+Inf")
 
@@ -83,7 +112,7 @@ class Increments:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.sums: Counter[str] = Counter()
 
-    def observe(self, name: str, values: Iterable[Optional[float]], labels: Optional[Mapping[str, str]] = None) -> None:
+    def observe(self, name: str, values: Iterable[float | None], labels: Mapping[str, str] | None = None) -> None:
         values = [float(v) for v in values if v is not None]
         if not values:
             return
@@ -97,7 +126,7 @@ class Increments:
         assert name in COUNTERS, name
         self.counts[COUNTERS_KEY, f"{name}|{labels_text(labels)}"] += amount
 
-    def add(self, other: "Increments") -> None:
+    def add(self, other: Increments) -> None:
         self.counts.update(other.counts)
         self.sums.update(other.sums)
 
@@ -124,7 +153,7 @@ class _Gathered:
 
     def __init__(self) -> None:
         self.increments = Increments()
-        self.client: Optional[redis.Redis] = None
+        self.client: redis.Redis | None = None
         self._lock = threading.Lock()
 
     def add(self, increments: Increments, client: redis.Redis) -> None:
@@ -167,14 +196,16 @@ def _execute(pipe: Any, what: str) -> None:
         log.warning("could not record %s metrics", what, exc_info=True)
 
 
-def _float(value: Optional[str]) -> Optional[float]:
+def _float(value: str | None) -> float | None:
     return float(value) if value not in (None, "") else None
 
 
 def stage_durations(fields: Mapping[str, str]) -> dict[str, float]:
     """queued/init/run/eval seconds of a job hash, as ``JobStore.view`` reports its timings."""
-    t = {k: _float(fields.get(k)) for k in (
-        "created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")}
+    t = {
+        k: _float(fields.get(k))
+        for k in ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
+    }
     waits = [(t["created_at"], t["init_start"]), (t["init_end"], t["run_start"]), (t["run_end"], t["eval_start"])]
     queued = [b - a for a, b in waits if a is not None and b is not None]
     spans = {"queued": sum(queued) if queued else None}
@@ -195,8 +226,10 @@ def record_job_finished(client: redis.Redis, *jobs: Mapping[str, str]) -> None:
 def count_jobs_finished(increments: Increments, *jobs: Mapping[str, str]) -> None:
     """What ``record_job_finished`` writes, added to ``increments`` (written later, with others)."""
     for fields in jobs:
-        increments.count("rollout_jobs_finished", {"status": fields.get("status") or "unknown",
-                                                   "finish_reason": fields.get("finish_reason") or "none"})
+        increments.count(
+            "rollout_jobs_finished",
+            {"status": fields.get("status") or "unknown", "finish_reason": fields.get("finish_reason") or "none"},
+        )
         for stage, seconds in stage_durations(fields).items():
             increments.observe("rollout_stage_duration_seconds", [seconds], {"stage": stage})
         for stage in ("init", "run", "eval"):
@@ -205,7 +238,7 @@ def count_jobs_finished(increments: Increments, *jobs: Mapping[str, str]) -> Non
                 increments.count("rollout_stage_redeliveries", {"stage": stage}, extra)
 
 
-def record_episode(client: redis.Redis, trajectory: Any, sandbox_boot_s: Optional[float]) -> None:
+def record_episode(client: redis.Redis, trajectory: Any, sandbox_boot_s: float | None) -> None:
     """After an episode: every LLM call's and tool turn's latency from the trajectory, and the boot."""
     increments = Increments()
     turns = trajectory.turns

@@ -3,30 +3,38 @@
 Status changes go through one Lua script so a job reaches exactly one terminal state,
 whatever redeliveries, cancels and deadlines race for it.
 """
+
 from __future__ import annotations
 
 import functools
 import json
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import msgpack
 import redis
-from redis.commands.core import Script
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
 from redis.retry import Retry
 
-from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
 from rollout_service.concurrency.green import green_process
-from rollout_service.state.metrics_recording import Increments, count_jobs_finished, record_job_finished
+from rollout_service.errors import ConfigError, Conflict, NotFound, StoreUnavailable
 from rollout_service.schemas import (
-    TERMINAL_STATUSES, ErrorInfo, JobRequest, JobStatus, JobView, Timings, Trajectory,
+    TERMINAL_STATUSES,
+    ErrorInfo,
+    JobRequest,
+    JobStatus,
+    JobView,
+    Timings,
+    Trajectory,
 )
 from rollout_service.settings import Settings, get_settings
+from rollout_service.state.metrics_recording import Increments, count_jobs_finished, record_job_finished
 from rollout_service.tasks import first_stage
 
 
@@ -50,10 +58,29 @@ FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"  # pub/sub: a job id each time a jo
 CANCEL_CHANNEL = f"{PREFIX}:jobs:cancel"  # pub/sub: a job id each time a job's cancel flag goes up
 STAGES = ("init", "run", "eval")
 TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
-VIEW_FIELDS = ("status", "group_id", "batch_id", "created_at", "init_start", "init_end", "run_start",
-               "run_end", "eval_start", "eval_end", "sandbox_boot_s", "sandbox_wait_s", "reward", "finish_reason",
-               "error_code", "error_message", "backend_id", "attempts_init", "attempts_run",
-               "attempts_eval", "metadata")
+VIEW_FIELDS = (
+    "status",
+    "group_id",
+    "batch_id",
+    "created_at",
+    "init_start",
+    "init_end",
+    "run_start",
+    "run_end",
+    "eval_start",
+    "eval_end",
+    "sandbox_boot_s",
+    "sandbox_wait_s",
+    "reward",
+    "finish_reason",
+    "error_code",
+    "error_message",
+    "backend_id",
+    "attempts_init",
+    "attempts_run",
+    "attempts_eval",
+    "metadata",
+)
 
 OnFinished = Callable[[str, str], None]  # (job id, batch id or "") once a job reached a terminal state
 _ON_FINISHED: list[OnFinished] = []
@@ -64,9 +91,23 @@ def on_job_finished(hook: OnFinished) -> None:
     if hook not in _ON_FINISHED:
         _ON_FINISHED.append(hook)
 
+
 # What a terminal move answers with: the fields the metrics and the finish hooks read.
-ENDED_FIELDS = ("status", "finish_reason", "batch_id", "created_at", "init_start", "init_end", "run_start",
-                "run_end", "eval_start", "eval_end", "attempts_init", "attempts_run", "attempts_eval")
+ENDED_FIELDS = (
+    "status",
+    "finish_reason",
+    "batch_id",
+    "created_at",
+    "init_start",
+    "init_end",
+    "run_start",
+    "run_end",
+    "eval_start",
+    "eval_end",
+    "attempts_init",
+    "attempts_run",
+    "attempts_eval",
+)
 
 # A status move. KEYS: job hash, live set, finished channel. ARGV from ``o``: status, allowed from
 # (comma-separated, '' any), '1' if terminal, job id, then field, value pairs.
@@ -125,7 +166,9 @@ return redis.call('HGET', KEYS[1], 'status')
 # A stage's end with a move first: {what _TRANSITION answers, the status after}. KEYS: job hash, live
 # set, finished channel, lease. ARGV: lease owner, n, n args of field, value pairs, the move's ARGV
 # (whose field, value pairs end with the same n: a move sets them with its own).
-_MOVE_AND_END_STAGE = _MOVE + """
+_MOVE_AND_END_STAGE = (
+    _MOVE
+    + """
 local n = tonumber(ARGV[2])
 local moved = move(n + 3)
 if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
@@ -134,6 +177,7 @@ if moved ~= 0 then return {moved, ARGV[n + 3]} end
 if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, n + 2)) end
 return {moved, redis.call('HGET', KEYS[1], 'status')}
 """
+)
 
 _RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -161,10 +205,16 @@ def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, ret
     connections) instead of failing with "Too many connections"."""
     settings = get_settings()
     pool = redis.BlockingConnectionPool.from_url(
-        url, max_connections=settings.redis_max_connections, timeout=settings.redis_pool_wait_s,
-        health_check_interval=30, socket_keepalive=True, socket_timeout=socket_timeout_s,
-        socket_connect_timeout=connect_timeout_s, retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_pool_wait_s,
+        health_check_interval=30,
+        socket_keepalive=True,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=connect_timeout_s,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
     return client_class()(connection_pool=pool)
 
 
@@ -190,8 +240,12 @@ def scripts_of(client: redis.Redis, *sources: str) -> list[Script]:
 
 def redis_client(settings: Settings | None = None) -> redis.Redis:
     settings = settings or get_settings()
-    return _client_for(resolve_redis_url(settings), settings.redis_socket_timeout_s,
-                       settings.redis_connect_timeout_s, settings.redis_retries)
+    return _client_for(
+        resolve_redis_url(settings),
+        settings.redis_socket_timeout_s,
+        settings.redis_connect_timeout_s,
+        settings.redis_retries,
+    )
 
 
 def broker_client(state: redis.Redis, settings: Settings | None = None) -> redis.Redis:
@@ -200,8 +254,9 @@ def broker_client(state: redis.Redis, settings: Settings | None = None) -> redis
     settings = settings or get_settings()
     if not settings.broker_url:
         return state
-    return _client_for(settings.broker_url, settings.redis_socket_timeout_s, settings.redis_connect_timeout_s,
-                       settings.redis_retries)
+    return _client_for(
+        settings.broker_url, settings.redis_socket_timeout_s, settings.redis_connect_timeout_s, settings.redis_retries
+    )
 
 
 def new_id(prefix: str) -> str:
@@ -227,7 +282,7 @@ def with_field(blob: bytes, name: str, value: Any) -> Packed:
         start = unpacker.tell()
         unpacker.skip()
         if key == name:
-            return Packed(blob[:start] + pack(value) + blob[unpacker.tell():])
+            return Packed(blob[:start] + pack(value) + blob[unpacker.tell() :])
     return Packed(pack({**unpack(blob), name: value}))
 
 
@@ -240,7 +295,7 @@ def as_text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _float(value: Optional[str]) -> Optional[float]:
+def _float(value: str | None) -> float | None:
     return float(value) if value else None
 
 
@@ -248,11 +303,12 @@ def _float(value: Optional[str]) -> Optional[float]:
 class StageEnd:
     """What ends a job's stage, in this order: blobs stored, a terminal move (status, its fields and
     ``fields``) or else ``fields`` set, the lease released."""
+
     job_id: str
     owner: str
     fields: dict[str, Any] = dataclass_field(default_factory=dict)
     blobs: dict[str, Any] = dataclass_field(default_factory=dict)
-    finish: Optional[tuple[JobStatus, dict[str, Any]]] = None
+    finish: tuple[JobStatus, dict[str, Any]] | None = None
 
 
 @dataclass
@@ -260,32 +316,36 @@ class BeginCall:
     """A script a job's stage begins with instead of the plain begin: it starts with
     ``BEGIN_STAGE_FUNCTION``, reads ``args`` after the begin's ARGV and answers ``{begin_stage()'s
     answer, its own}``; ``answered`` takes its own answer."""
+
     script: Script
     args: list[Any]
     answered: Callable[[Any], None]
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, settings: Settings | None = None,
-                 on_finished: Optional[list[OnFinished]] = None) -> None:
+    def __init__(
+        self, client: redis.Redis, settings: Settings | None = None, on_finished: list[OnFinished] | None = None
+    ) -> None:
         self.redis = client
         self.settings = settings or get_settings()
         self.on_finished = _ON_FINISHED if on_finished is None else on_finished
-        (self._transition, self._renew_lease, self._begin_stage, self._end_stage,
-         self._move_and_end_stage) = scripts_of(client, _TRANSITION, _RENEW_LEASE, _BEGIN_STAGE, _END_STAGE,
-                                                _MOVE_AND_END_STAGE)
+        (self._transition, self._renew_lease, self._begin_stage, self._end_stage, self._move_and_end_stage) = (
+            scripts_of(client, _TRANSITION, _RENEW_LEASE, _BEGIN_STAGE, _END_STAGE, _MOVE_AND_END_STAGE)
+        )
 
     @staticmethod
     def key(job_id: str, part: str = "") -> str:
         return f"{PREFIX}:job:{job_id}" + (f":{part}" if part else "")
 
     # -- submission -------------------------------------------------------------------
-    def create_jobs(self, request: JobRequest, group_id: str | None = None,
-                    batch_id: str = "") -> tuple[list[str], str]:
+    def create_jobs(
+        self, request: JobRequest, group_id: str | None = None, batch_id: str = ""
+    ) -> tuple[list[str], str]:
         return self.create_many([request], group_id=group_id, batch_id=batch_id)[0]
 
-    def create_many(self, requests: list[JobRequest], group_id: str | None = None,
-                    batch_id: str = "") -> list[tuple[list[str], str]]:
+    def create_many(
+        self, requests: list[JobRequest], group_id: str | None = None, batch_id: str = ""
+    ) -> list[tuple[list[str], str]]:
         """Write the records of every request's jobs (one group per request) in one pipeline."""
         total = sum(r.n for r in requests)
         last_seq = int(self._call(self.redis.incrby, JOB_SEQUENCE, total))
@@ -299,10 +359,16 @@ class JobStore:
             blob = pack(request.model_copy(update={"n": 1}).model_dump(mode="json"))
             deadline_s = request.timeouts.job_s or self.settings.job_deadline_s
             job_ids = [new_id("job") for _ in range(request.n)]
-            fields: dict[str, Any] = {"status": JobStatus.queued.value, "group_id": gid, "batch_id": batch_id,
-                                      "created_at": now, "deadline_at": now + deadline_s,
-                                      "domain": request.task["domain"], "metadata": json.dumps(request.metadata),
-                                      "first_stage": first_stage(request, self.settings)}
+            fields: dict[str, Any] = {
+                "status": JobStatus.queued.value,
+                "group_id": gid,
+                "batch_id": batch_id,
+                "created_at": now,
+                "deadline_at": now + deadline_s,
+                "domain": request.task["domain"],
+                "metadata": json.dumps(request.metadata),
+                "first_stage": first_stage(request, self.settings),
+            }
             if fields["first_stage"] == "run" and request.agent.harness is None:
                 fields["first_call_model"] = request.sampling.model or ""  # what init records for the others
             for index, job_id in enumerate(job_ids):
@@ -319,7 +385,7 @@ class JobStore:
         self._execute(pipe)
         return created
 
-    def claim_idempotency_key(self, key: str, wait_s: float = 10.0) -> Optional[dict[str, Any]]:
+    def claim_idempotency_key(self, key: str, wait_s: float = 10.0) -> dict[str, Any] | None:
         """None if this request now owns ``key``; else the response stored by the one that does."""
         name = f"{PREFIX}:idem:{key}"
         if self._call(self.redis.set, name, "", nx=True, ex=self.settings.job_ttl_s):
@@ -360,15 +426,16 @@ class JobStore:
             pipe.hmget(self.key(job_id), VIEW_FIELDS)
             pipe.get(self.key(job_id, "result"))
         replies = self._execute(pipe)
-        rows = [dict(zip(VIEW_FIELDS, (None if v is None else v.decode() for v in values)))
-                for values in replies[0::2]]
+        rows = [dict(zip(VIEW_FIELDS, (None if v is None else v.decode() for v in values))) for values in replies[0::2]]
         missing = [j for j, row in zip(job_ids, rows) if row["status"] is None]
         if missing:
             raise NotFound(f"no job {_names(missing)}: never existed or TTL expired")
-        return [_job_view(job_id, row, None if blob is None else unpack(blob))
-                for job_id, row, blob in zip(job_ids, rows, replies[1::2])]
+        return [
+            _job_view(job_id, row, None if blob is None else unpack(blob))
+            for job_id, row, blob in zip(job_ids, rows, replies[1::2])
+        ]
 
-    def statuses(self, job_ids: list[str]) -> list[Optional[str]]:
+    def statuses(self, job_ids: list[str]) -> list[str | None]:
         """Every job's status (None: no such job) in one pipelined round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
@@ -387,12 +454,20 @@ class JobStore:
             return [], []
         statuses = self.statuses(others)
         terminal = {status.value for status in TERMINAL_STATUSES}
-        return ([job_id for job_id, status in zip(others, statuses) if status is None],
-                [job_id for job_id, status in zip(others, statuses) if status in terminal])
+        return (
+            [job_id for job_id, status in zip(others, statuses) if status is None],
+            [job_id for job_id, status in zip(others, statuses) if status in terminal],
+        )
 
-    def list_jobs(self, status: Optional[JobStatus] = None, group_id: Optional[str] = None,
-                  batch_id: Optional[str] = None, limit: int = 100, cursor: Optional[int] = None,
-                  scan_cap: int = 20000) -> tuple[list[JobView], Optional[int]]:
+    def list_jobs(
+        self,
+        status: JobStatus | None = None,
+        group_id: str | None = None,
+        batch_id: str | None = None,
+        limit: int = 100,
+        cursor: int | None = None,
+        scan_cap: int = 20000,
+    ) -> tuple[list[JobView], int | None]:
         """Newest first from the creation index; the cursor is the sequence number to continue below.
         Index entries whose job expired are trimmed on the way. At most ``scan_cap`` entries are
         examined per call: a filtered page may then be short with a cursor to go on."""
@@ -402,10 +477,17 @@ class JobStore:
         found: list[str] = []
         upper = "+inf" if cursor is None else f"({cursor}"
         scanned = 0
-        last_seq: Optional[int] = None
+        last_seq: int | None = None
         while len(found) < limit and scanned < scan_cap:
-            chunk = self._call(self.redis.zrevrangebyscore, JOB_INDEX, upper, "-inf",
-                               start=0, num=min(500, scan_cap - scanned), withscores=True)
+            chunk = self._call(
+                self.redis.zrevrangebyscore,
+                JOB_INDEX,
+                upper,
+                "-inf",
+                start=0,
+                num=min(500, scan_cap - scanned),
+                withscores=True,
+            )
             if not chunk:
                 return self.views(found), None
             pipe = self.redis.pipeline(transaction=False)
@@ -427,14 +509,17 @@ class JobStore:
             upper = f"({last_seq}"
         return self.views(found), last_seq
 
-    def _list_group(self, group_id: str, wanted: dict[str, Optional[str]], limit: int,
-                    cursor: Optional[int]) -> tuple[list[JobView], Optional[int]]:
+    def _list_group(
+        self, group_id: str, wanted: dict[str, str | None], limit: int, cursor: int | None
+    ) -> tuple[list[JobView], int | None]:
         members = self.group_jobs(group_id)
         if not members:
             return [], None
         scores = self._call(self.redis.zmscore, JOB_INDEX, members)
-        ranked = sorted(((int(sc), j) for j, sc in zip(members, scores)
-                         if sc is not None and (cursor is None or sc < cursor)), reverse=True)
+        ranked = sorted(
+            ((int(sc), j) for j, sc in zip(members, scores) if sc is not None and (cursor is None or sc < cursor)),
+            reverse=True,
+        )
         pipe = self.redis.pipeline(transaction=False)
         for _, job_id in ranked:
             pipe.hmget(self.key(job_id), "status", "batch_id")
@@ -462,7 +547,7 @@ class JobStore:
             self._call(self.redis.zrem, JOB_INDEX, *gone)
         return len(gone)
 
-    def raw_trajectories(self, job_ids: list[str]) -> list[Optional[bytes]]:
+    def raw_trajectories(self, job_ids: list[str]) -> list[bytes | None]:
         """The stored msgpack trajectory blobs, one MGET; 404 naming ids that are not jobs."""
         blobs = self._call(self.redis.mget, [self.key(j, "trajectory") for j in job_ids])
         unsure = [j for j, blob in zip(job_ids, blobs) if blob is None]
@@ -491,27 +576,32 @@ class JobStore:
         return Trajectory.model_validate(self.get_blob(job_id, "trajectory"))
 
     # -- state changes ----------------------------------------------------------------
-    def transition(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus] = (),
-                   **fields: Any) -> bool:
+    def transition(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
         """Move a non-terminal job to ``to`` (if its status is in ``allowed_from``, when given)."""
         return self._move(job_id, to, allowed_from, fields) is not None
 
-    def _move(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus],
-              fields: dict[str, Any]) -> Optional[dict[str, str]]:
+    def _move(
+        self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus], fields: dict[str, Any]
+    ) -> dict[str, str] | None:
         """``transition``; None if the job did not move, else its fields after a terminal move
         (read once, for the metrics and the finish hooks), or {} after any other move."""
         keys, args = self._transition_call(job_id, to, allowed_from, fields)
         return self._moved(job_id, self._call(self._transition, keys=keys, args=args), announce=False)
 
-    def _transition_call(self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus],
-                         fields: dict[str, Any]) -> tuple[list[str], list[Any]]:
-        args: list[Any] = [to.value, ",".join(s.value for s in allowed_from),
-                           "1" if to in TERMINAL_STATUSES else "0", job_id]
+    def _transition_call(
+        self, job_id: str, to: JobStatus, allowed_from: Iterable[JobStatus], fields: dict[str, Any]
+    ) -> tuple[list[str], list[Any]]:
+        args: list[Any] = [
+            to.value,
+            ",".join(s.value for s in allowed_from),
+            "1" if to in TERMINAL_STATUSES else "0",
+            job_id,
+        ]
         for name, value in fields.items():
             args += [name, "" if value is None else value]
         return [self.key(job_id), LIVE_JOBS, FINISHED_CHANNEL], args
 
-    def _moved(self, job_id: str, result: Any, announce: bool) -> Optional[dict[str, str]]:
+    def _moved(self, job_id: str, result: Any, announce: bool) -> dict[str, str] | None:
         """What the transition script answered: None (no move), {} (a move), or the job's fields
         after a terminal move, then recorded in the metrics and, when ``announce``, told to the
         finish hooks."""
@@ -523,7 +613,7 @@ class JobStore:
         self._ended({job_id: ended}, announce)
         return ended
 
-    def _ended(self, ended: dict[str, dict[str, str]], announce: bool, finished: Optional[Increments] = None) -> None:
+    def _ended(self, ended: dict[str, dict[str, str]], announce: bool, finished: Increments | None = None) -> None:
         if not ended:
             return
         if finished is None:
@@ -536,16 +626,27 @@ class JobStore:
                     hook(job_id, fields.get("batch_id", ""))
 
     @staticmethod
-    def finish_fields(error: Optional[Exception | ErrorInfo] = None, **fields: Any) -> dict[str, Any]:
+    def finish_fields(error: Exception | ErrorInfo | None = None, **fields: Any) -> dict[str, Any]:
         if error is not None:
-            info = error if isinstance(error, ErrorInfo) else ErrorInfo(
-                code=getattr(error, "code", "internal_error"), message=str(error) or type(error).__name__)
+            info = (
+                error
+                if isinstance(error, ErrorInfo)
+                else ErrorInfo(
+                    code=getattr(error, "code", "internal_error"), message=str(error) or type(error).__name__
+                )
+            )
             fields.update(error_code=info.code, error_message=info.message)
         fields.setdefault("finished_at", time.time())
         return fields
 
-    def finish(self, job_id: str, status: JobStatus, error: Optional[Exception | ErrorInfo] = None,
-               allowed_from: Iterable[JobStatus] = (), **fields: Any) -> bool:
+    def finish(
+        self,
+        job_id: str,
+        status: JobStatus,
+        error: Exception | ErrorInfo | None = None,
+        allowed_from: Iterable[JobStatus] = (),
+        **fields: Any,
+    ) -> bool:
         keys, args = self._transition_call(job_id, status, allowed_from, self.finish_fields(error, **fields))
         return self._moved(job_id, self._call(self._transition, keys=keys, args=args), announce=True) is not None
 
@@ -578,10 +679,17 @@ class JobStore:
         return {j.decode() for j in self.redis.smembers(LIVE_JOBS)}
 
     # -- stages: one round trip in, one out ---------------------------------------------
-    def begin_stages(self, job_ids: list[str], stage: str, previous: JobStatus, status: JobStatus, owner: str,
-                     reads: tuple[str, ...] = (), skipping: Optional[tuple[JobStatus, str]] = None,
-                     calls: Optional[dict[str, "BeginCall"]] = None,
-                     ) -> list[tuple[str, list[str], dict[str, Optional[bytes]]]]:
+    def begin_stages(
+        self,
+        job_ids: list[str],
+        stage: str,
+        previous: JobStatus,
+        status: JobStatus,
+        owner: str,
+        reads: tuple[str, ...] = (),
+        skipping: tuple[JobStatus, str] | None = None,
+        calls: dict[str, BeginCall] | None = None,
+    ) -> list[tuple[str, list[str], dict[str, bytes | None]]]:
         """For each job: check it may enter ``stage``, take its lease, count the delivery and set its
         status: ``("ok", [deadline_at, attempts, rollout_index], blobs)``, or ``("skip", [status])``,
         ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``; ``blobs`` holds the packed
@@ -590,9 +698,18 @@ class JobStore:
         a script that begins the stage the same way and does more in the same call (``BeginCall``).
         One round trip for all the jobs."""
         also_from, stamp = skipping or (None, "")
-        args = [previous.value, status.value, owner, int(self.settings.lease_ttl_s * 1000),
-                f"attempts_{stage}", f"{stage}_start", time.time(), f"{stage}_end",
-                also_from.value if also_from else "", stamp]
+        args = [
+            previous.value,
+            status.value,
+            owner,
+            int(self.settings.lease_ttl_s * 1000),
+            f"attempts_{stage}",
+            f"{stage}_start",
+            time.time(),
+            f"{stage}_end",
+            also_from.value if also_from else "",
+            stamp,
+        ]
         calls = calls or {}
         pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
         for job_id in job_ids:
@@ -611,11 +728,16 @@ class JobStore:
             if job_id in calls:
                 reply, answer = reply
                 calls[job_id].answered(answer)
-            begun.append((as_text(reply[0]), [as_text(v) for v in reply[1:]],
-                          dict(zip(reads, replies[n * step + 1])) if reads else {}))
+            begun.append(
+                (
+                    as_text(reply[0]),
+                    [as_text(v) for v in reply[1:]],
+                    dict(zip(reads, replies[n * step + 1])) if reads else {},
+                )
+            )
         return begun
 
-    def end_stages(self, ends: list[StageEnd], finished: Optional[Increments] = None) -> list[Optional[JobStatus]]:
+    def end_stages(self, ends: list[StageEnd], finished: Increments | None = None) -> list[JobStatus | None]:
         """For each job: store its blobs, make its terminal move if it has one, release its lease and
         set its fields; the jobs' statuses after their stage. One round trip for all of them (the
         finished jobs' metrics are one more, or go into ``finished`` for the caller to write)."""
@@ -625,29 +747,36 @@ class JobStore:
         positions, at = [], 0
         for end in ends:
             for name, obj in end.blobs.items():
-                pipe.set(self.key(end.job_id, name), obj if isinstance(obj, Packed) else pack(obj),
-                         ex=self.settings.job_ttl_s)
+                pipe.set(
+                    self.key(end.job_id, name),
+                    obj if isinstance(obj, Packed) else pack(obj),
+                    ex=self.settings.job_ttl_s,
+                )
             fields = [part for name, value in end.fields.items() for part in (name, "" if value is None else value)]
             lease = self.key(end.job_id, "lease")
             if end.finish is None:
                 self._end_stage(keys=[self.key(end.job_id), lease], args=[end.owner, *fields], client=pipe)
             else:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
-                self._move_and_end_stage(keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args, *fields],
-                                         client=pipe)
+                self._move_and_end_stage(
+                    keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args, *fields], client=pipe
+                )
             at += len(end.blobs)
             positions.append(at)  # the end script's reply follows the job's SETs
             at += 1
         answers = self._execute(pipe)
         replies = [answers[at] for at in positions]
         moved = {end.job_id: reply[0] for end, reply in zip(ends, replies) if end.finish is not None}
-        self._ended({job_id: ended for job_id, result in moved.items()
-                     if (ended := self._moved_fields(result)) is not None}, announce=True, finished=finished)
+        self._ended(
+            {job_id: ended for job_id, result in moved.items() if (ended := self._moved_fields(result)) is not None},
+            announce=True,
+            finished=finished,
+        )
         statuses = [reply[1] if end.finish is not None else reply for end, reply in zip(ends, replies)]
         return [None if status is None else JobStatus(as_text(status)) for status in statuses]
 
     @staticmethod
-    def _moved_fields(result: Any) -> Optional[dict[str, str]]:
+    def _moved_fields(result: Any) -> dict[str, str] | None:
         """The job's fields a terminal move answers with (None: the script did not make one)."""
         if not isinstance(result, list):
             return None
@@ -661,7 +790,7 @@ class JobStore:
             self._renew_lease(keys=[self.key(job_id, "lease")], args=[owner, ttl_ms], client=pipe)
         self._execute(pipe)
 
-    def pop_within(self, key: str, timeout_s: float, block_s: float = 1.0) -> Optional[bytes]:
+    def pop_within(self, key: str, timeout_s: float, block_s: float = 1.0) -> bytes | None:
         """BLPOP ``key`` for up to ``timeout_s``, in blocks of ``block_s`` (each under the socket timeout)."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -675,21 +804,29 @@ class JobStore:
         try:
             return fn(*args, **kwargs)
         except TRANSIENT_REDIS_ERRORS as exc:
-            raise StoreUnavailable(f"Redis is unreachable or not answering ({type(exc).__name__}: {exc}); "
-                                   "check ROLLOUT_REDIS_URL and that Redis runs, then retry") from exc
+            raise StoreUnavailable(
+                f"Redis is unreachable or not answering ({type(exc).__name__}: {exc}); "
+                "check ROLLOUT_REDIS_URL and that Redis runs, then retry"
+            ) from exc
 
     def _execute(self, pipe: redis.client.Pipeline) -> list[Any]:
         return self._call(pipe.execute)
 
 
-def _job_view(job_id: str, f: dict[str, Optional[str]], result: Any) -> JobView:
-    t = {k: _float(f.get(k)) for k in (
-        "created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")}
-    waits = {"init": (t["created_at"], t["init_start"]), "run": (t["init_end"], t["run_start"]),
-             "eval": (t["run_end"], t["eval_start"])}
+def _job_view(job_id: str, f: dict[str, str | None], result: Any) -> JobView:
+    t = {
+        k: _float(f.get(k))
+        for k in ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
+    }
+    waits = {
+        "init": (t["created_at"], t["init_start"]),
+        "run": (t["init_end"], t["run_start"]),
+        "eval": (t["run_end"], t["eval_start"]),
+    }
     queued = {stage: b - a for stage, (a, b) in waits.items() if a is not None and b is not None}
     timings = Timings(
-        queued_s=sum(queued.values()) if queued else None, waits_s=queued,
+        queued_s=sum(queued.values()) if queued else None,
+        waits_s=queued,
         init_s=_span(t["init_start"], t["init_end"]),
         run_s=_span(t["run_start"], t["run_end"]),
         eval_s=_span(t["eval_start"], t["eval_end"]),
@@ -698,9 +835,14 @@ def _job_view(job_id: str, f: dict[str, Optional[str]], result: Any) -> JobView:
     )
     error = ErrorInfo(code=f["error_code"], message=f.get("error_message") or "") if f.get("error_code") else None
     return JobView(
-        job_id=job_id, status=JobStatus(f["status"]), group_id=f["group_id"] or "",
-        timings=timings, reward=_float(f.get("reward")),
-        finish_reason=f.get("finish_reason") or None, error=error, result=result,
+        job_id=job_id,
+        status=JobStatus(f["status"]),
+        group_id=f["group_id"] or "",
+        timings=timings,
+        reward=_float(f.get("reward")),
+        finish_reason=f.get("finish_reason") or None,
+        error=error,
+        result=result,
         backend_id=f.get("backend_id") or None,
         attempts=max(int(f.get(f"attempts_{s}") or 0) for s in STAGES),
         metadata=json.loads(f.get("metadata") or "{}"),
@@ -712,7 +854,7 @@ def _names(job_ids: list[str], shown: int = 20) -> str:
     return ", ".join(repr(j) for j in job_ids[:shown]) + more
 
 
-def _span(start: Optional[float], end: Optional[float]) -> Optional[float]:
+def _span(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else end - start
 
 

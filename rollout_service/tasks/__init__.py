@@ -3,12 +3,13 @@
 A handler validates a task at submission, prepares it in init (chat messages, tools,
 workspace), extracts the artifact after the run, and scores it in eval.
 """
+
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from rollout_service.errors import UnknownName, ValidationError
 from rollout_service.schemas import JobRequest, ScoreResponse
@@ -21,7 +22,7 @@ class TaskSetup:
 
     messages: list[dict[str, Any]]
     tools: tuple[str, ...]
-    image: Optional[str] = None
+    image: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -35,8 +36,7 @@ class DomainHandler(Protocol):
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup: ...
 
-    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
-                 execute: Any) -> dict[str, Any]: ...
+    def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]: ...
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse: ...
 
@@ -77,7 +77,7 @@ def first_stage(request: JobRequest, settings: Settings) -> str:
     return "run" if cheap and settings.init_in_run else "init"
 
 
-def quick_score(handler: DomainHandler, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+def quick_score(handler: DomainHandler, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse | None:
     """The handler's optional ``quick_score(task, submission)``: the score when it is cheap and certain
     (no parser that might hang, no sandbox), which a run worker gives at the episode's end; None
     (or a handler without one) leaves it to the eval stage."""

@@ -18,6 +18,7 @@ Grading: every MBPP assert is one test, HumanEval's ``check(entry_point)`` is on
 runs in its own process (see ``code_runner``). Reward 1 iff all pass; ``details`` has the
 pass fraction and per-test status.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,19 @@ import re
 import secrets
 import site
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rollout_service.errors import ValidationError
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
 from rollout_service.tasks import TaskSetup, require
-from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading_workspace, read_sandbox_file,
-                                             tagged_json)
+from rollout_service.tasks.sandboxed import (
+    eval_budget_s,
+    grading_run,
+    grading_workspace,
+    read_sandbox_file,
+    tagged_json,
+)
 
 SOLUTION_FILE = "solution.py"
 MAX_CODE_BYTES = 1024 * 1024
@@ -48,11 +54,10 @@ SYSTEM_PROMPT = (
 )
 
 
-def extract_code(text: str, entry_point: Optional[str] = None) -> str:
+def extract_code(text: str, entry_point: str | None = None) -> str:
     """The code in ``text``: its last fenced block (the last defining ``entry_point`` or any
     function, when there are several), or all of ``text`` when it has no fence."""
-    blocks = [body for language, body in _FENCE.findall(text)
-              if language.lower() in ("", "python", "py", "python3")]
+    blocks = [body for language, body in _FENCE.findall(text) if language.lower() in ("", "python", "py", "python3")]
     if not blocks:
         return _trim(text)
     for marker in ([rf"def\s+{re.escape(entry_point)}\s*\("] if entry_point else []) + [r"\bdef\s+\w+"]:
@@ -83,8 +88,10 @@ class CodeHandler:
     def validate(self, task: dict[str, Any]) -> None:
         if is_humaneval(task):
             if not any(k in task for k in ("prompt", "test", "entry_point")):
-                raise ValidationError("task.prompt, task.test and task.entry_point are required for domain "
-                                      "'code' (HumanEval form), or task.text and task.test_list (MBPP form)")
+                raise ValidationError(
+                    "task.prompt, task.test and task.entry_point are required for domain "
+                    "'code' (HumanEval form), or task.text and task.test_list (MBPP form)"
+                )
             require(task, "prompt", str, self.name)
             require(task, "test", str, self.name)
             if not require(task, "entry_point", str, self.name).isidentifier():
@@ -100,8 +107,9 @@ class CodeHandler:
             if imports is not None and not (isinstance(imports, list) and all(isinstance(i, str) for i in imports)):
                 raise ValidationError("task.test_imports must be a list of import statements (strings)")
         timeout = task.get("timeout_s")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                                        and timeout > 0):
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        ):
             raise ValidationError(f"task.timeout_s must be a positive number of seconds, got {timeout!r}")
         if task.get("image") is not None:
             require(task, "image", str, self.name)
@@ -110,20 +118,26 @@ class CodeHandler:
         workspace.mkdir(parents=True, exist_ok=True)
         if is_humaneval(task):
             (workspace / SOLUTION_FILE).write_text(task["prompt"])
-            user = (f"Complete this Python function; hidden tests will check it.\n\n```python\n"
-                    f"{task['prompt'].rstrip()}\n```\n\nThe stub is in /workspace/{SOLUTION_FILE}. When you are "
-                    f"done, call finish with the complete code (imports and `{task['entry_point']}`).")
+            user = (
+                f"Complete this Python function; hidden tests will check it.\n\n```python\n"
+                f"{task['prompt'].rstrip()}\n```\n\nThe stub is in /workspace/{SOLUTION_FILE}. When you are "
+                f"done, call finish with the complete code (imports and `{task['entry_point']}`)."
+            )
         else:
-            user = (f"{task['text'].strip()}\n\nYour code should pass tests like this one:\n```python\n"
-                    f"{task['test_list'][0]}\n```\nWhen you are done, call finish with the complete code.")
+            user = (
+                f"{task['text'].strip()}\n\nYour code should pass tests like this one:\n```python\n"
+                f"{task['test_list'][0]}\n```\nWhen you are done, call finish with the complete code."
+            )
         return TaskSetup(
-            messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
-                      {"role": "user", "content": user}],
-            tools=self.tools, image=task.get("image"),
+            messages=[
+                {"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
+                {"role": "user", "content": user},
+            ],
+            tools=self.tools,
+            image=task.get("image"),
         )
 
-    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
-                 execute: Any) -> dict[str, Any]:
+    def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:
         entry_point = task.get("entry_point")
         if answer is not None:
             stripped = answer.strip()
@@ -146,16 +160,25 @@ class CodeHandler:
         raw = submission.get("answer") if raw is None else raw
         code = extract_code(str(raw or ""), task.get("entry_point"))
         labels = [f"check({task['entry_point']})"] if humaneval else list(task["test_list"])
-        details: dict[str, Any] = {"form": "humaneval" if humaneval else "mbpp", "passed": 0,
-                                   "total": len(labels), "pass_fraction": 0.0}
+        details: dict[str, Any] = {
+            "form": "humaneval" if humaneval else "mbpp",
+            "passed": 0,
+            "total": len(labels),
+            "pass_fraction": 0.0,
+        }
         if not code:
-            return ScoreResponse(reward=0.0, details={**details, "error": "the submission holds no code; "
-                                                      "send {\"code\": \"...\"} or {\"answer\": \"...\"}"})
+            return ScoreResponse(
+                reward=0.0,
+                details={**details, "error": 'the submission holds no code; send {"code": "..."} or {"answer": "..."}'},
+            )
         program, tests = build_program(task, code)
         results, error = run_hidden_tests(program, tests, eval_budget_s(task), task.get("image"))
         passed = sum(r["status"] == "passed" for r in results)
-        details.update(passed=passed, pass_fraction=passed / len(labels),
-                       tests=[{"test": label[:200], **result} for label, result in zip(labels, results)])
+        details.update(
+            passed=passed,
+            pass_fraction=passed / len(labels),
+            tests=[{"test": label[:200], **result} for label, result in zip(labels, results)],
+        )
         if error:
             details["error"] = error
         return ScoreResponse(reward=1.0 if results and passed == len(labels) else 0.0, details=details)
@@ -173,8 +196,9 @@ def build_program(task: dict[str, Any], code: str) -> tuple[str, list[str]]:
     return f"{imports}\n{code}\n\n{task.get('test_setup_code') or ''}\n", list(task["test_list"])
 
 
-def run_hidden_tests(program: str, tests: list[str], per_test_s: float,
-                     image: Optional[str]) -> tuple[list[dict[str, str]], Optional[str]]:
+def run_hidden_tests(
+    program: str, tests: list[str], per_test_s: float, image: str | None
+) -> tuple[list[dict[str, str]], str | None]:
     """Per-test results from a fresh sandbox, and an error when the grader gave no result."""
     budget_s = get_settings().eval_timeout_s
     nonce = secrets.token_hex(16)
@@ -182,9 +206,18 @@ def run_hidden_tests(program: str, tests: list[str], per_test_s: float,
     # sys.path all the same. An image's own python3 runs its site.
     paths = site.getsitepackages() if image is None else []
     with grading_workspace("code", small=True) as workspace:
-        (workspace / "grading.json").write_text(json.dumps(
-            {"program": program, "tests": tests, "timeout_s": per_test_s, "budget_s": budget_s, "nonce": nonce,
-             "site_paths": paths}))
+        (workspace / "grading.json").write_text(
+            json.dumps(
+                {
+                    "program": program,
+                    "tests": tests,
+                    "timeout_s": per_test_s,
+                    "budget_s": budget_s,
+                    "nonce": nonce,
+                    "site_paths": paths,
+                }
+            )
+        )
         _, output = grading_run(workspace, image, budget_s, (RUNNER, "/workspace/grading.json"))
     results = tagged_json(output, nonce)
     if not isinstance(results, list) or len(results) != len(tests):

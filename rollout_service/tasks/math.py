@@ -1,12 +1,13 @@
 """Math word problems: the agent may compute with IPython (or a bash shell, when ``agent.tools`` asks
 for it) and answers in ``\\boxed{}``."""
+
 from __future__ import annotations
 
 import re
 import threading
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rollout_service.schemas import ScoreResponse
 from rollout_service.tasks import TaskSetup, require
@@ -35,18 +36,19 @@ class MathHandler:
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         return TaskSetup(
-            messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
-                      {"role": "user", "content": task["problem"]}],
+            messages=[
+                {"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
+                {"role": "user", "content": task["problem"]},
+            ],
             tools=self.tools,
         )
 
-    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse | None:
         """Plain numbers compared exactly; anything else goes to math-verify in the eval stage."""
         answer = submission.get("answer")
         return plain_comparison(str(task["answer"]), None if answer is None else str(answer))
 
-    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
-                 execute: Any) -> dict[str, Any]:
+    def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:
         """The finish tool's answer, else the last ``\\boxed{}`` of the final message, else the
         last number in it (as GSM8K graders do). Never an expression found in free text:
         math-verify would evaluate a restated problem ("19 + 10 ...") and count it right, which a
@@ -66,17 +68,24 @@ class MathHandler:
             return quick
         gold = parse(f"${task['answer']}$", parsing_timeout=timeout_s)
         if answer is None or not str(answer).strip():
-            return ScoreResponse(reward=0.0, details={
-                "parsed_answer": [], "parsed_gold": [str(x) for x in gold],
-                "reason": "no final answer: no finish answer, and the final message has neither a \\boxed{} nor a number"})
+            return ScoreResponse(
+                reward=0.0,
+                details={
+                    "parsed_answer": [],
+                    "parsed_gold": [str(x) for x in gold],
+                    "reason": "no final answer: no finish answer, and the final message has neither a \\boxed{} nor a number",
+                },
+            )
         answer = str(answer)
         predicted = parse(answer, parsing_timeout=timeout_s)
         correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout_s)
-        return ScoreResponse(reward=1.0 if correct else 0.0, details={
-            "parsed_answer": [str(x) for x in predicted], "parsed_gold": [str(x) for x in gold]})
+        return ScoreResponse(
+            reward=1.0 if correct else 0.0,
+            details={"parsed_answer": [str(x) for x in predicted], "parsed_gold": [str(x) for x in gold]},
+        )
 
 
-def plain_number(text: str) -> Optional[str]:
+def plain_number(text: str) -> str | None:
     """``text`` if it is a bare integer, decimal or fraction (optionally in ``$..$`` or
     ``\\boxed{}``), else None."""
     text = text.strip()
@@ -85,7 +94,7 @@ def plain_number(text: str) -> Optional[str]:
     return text if _PLAIN_NUMBER.fullmatch(text) else None
 
 
-def plain_comparison(gold: str, answer: Optional[str]) -> Optional[ScoreResponse]:
+def plain_comparison(gold: str, answer: str | None) -> ScoreResponse | None:
     """The score without math-verify when both sides are plain numbers and the verdict is
     certain: equal values, or two different integers. math-verify parses each side with an
     ANTLR LaTeX grammar (~1 ms); decimals that differ go to it for its rounding tolerance."""
@@ -97,11 +106,13 @@ def plain_comparison(gold: str, answer: Optional[str]) -> Optional[ScoreResponse
     both_integers = not any(c in gold_number + answer_number for c in "./")
     if not equal and not both_integers:
         return None
-    return ScoreResponse(reward=1.0 if equal else 0.0, details={
-        "parsed_answer": [answer_number], "parsed_gold": [gold_number], "parsed_by": "plain_number"})
+    return ScoreResponse(
+        reward=1.0 if equal else 0.0,
+        details={"parsed_answer": [answer_number], "parsed_gold": [gold_number], "parsed_by": "plain_number"},
+    )
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """The last ``\\boxed{...}`` of ``text`` (nested braces kept), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -110,5 +121,5 @@ def last_boxed(text: str) -> Optional[str]:
     for end in range(start + len("\\boxed"), len(text)):
         depth += {"{": 1, "}": -1}.get(text[end], 0)
         if depth == 0:
-            return text[start:end + 1]
+            return text[start : end + 1]
     return None

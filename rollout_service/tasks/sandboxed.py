@@ -4,6 +4,7 @@ commands in a live sandbox, and reading files that untrusted code may have touch
 Grading never reuses the agent's sandbox: ``grading_run`` runs the grader in a new one-shot
 sandbox on a fresh workspace, with the eval time limit and the sandbox memory limit.
 """
+
 from __future__ import annotations
 
 import base64
@@ -16,8 +17,9 @@ import shutil
 import stat
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 from rollout_service.errors import TaskError
 from rollout_service.settings import get_settings
@@ -47,8 +49,7 @@ def grading_workspace(prefix: str, small: bool = False) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def grading_run(workspace: Path, image: Optional[str], budget_s: float,
-                script: tuple[str, ...]) -> tuple[Optional[int], str]:
+def grading_run(workspace: Path, image: str | None, budget_s: float, script: tuple[str, ...]) -> tuple[int | None, str]:
     """Run ``script`` (a program or ``*.py`` and its arguments, as seen inside) in a fresh one-shot
     sandbox on ``workspace`` with the eval limits; no tool server is started for it. Returns (exit
     code, None if it ran out of time; its output)."""
@@ -56,27 +57,36 @@ def grading_run(workspace: Path, image: Optional[str], budget_s: float,
 
     settings = get_settings()
     spec = SandboxSpec(
-        job_id=f"grade-{uuid.uuid4().hex[:12]}", workspace=str(workspace), image=image, tools=(),
-        memory_mb=settings.sandbox_memory_mb, cpu_time_s=math.ceil(budget_s + SANDBOX_GRACE_S),
-        max_procs=settings.sandbox_max_procs, ttl_s=budget_s + 4 * SANDBOX_GRACE_S, script=script,
+        job_id=f"grade-{uuid.uuid4().hex[:12]}",
+        workspace=str(workspace),
+        image=image,
+        tools=(),
+        memory_mb=settings.sandbox_memory_mb,
+        cpu_time_s=math.ceil(budget_s + SANDBOX_GRACE_S),
+        max_procs=settings.sandbox_max_procs,
+        ttl_s=budget_s + 4 * SANDBOX_GRACE_S,
+        script=script,
     )
     return create_sandbox(settings.sandbox, spec, None).run(budget_s + SANDBOX_GRACE_S)
 
 
-def shell(execute: Any, command: str, timeout_s: Optional[float] = None) -> dict[str, Any]:
+def shell(execute: Any, command: str, timeout_s: float | None = None) -> dict[str, Any]:
     """Run ``command`` in a live sandbox through its bash tool, or through ipython when bash
     is not among the sandbox's tools. Returns the observation."""
     timeout_s = timeout_s or get_settings().tool_timeout_s
     observation = execute.execute("bash", {"command": command}, timeout_s=timeout_s)
     if not _unknown_tool(observation):
         return observation
-    code = ("import subprocess, sys\n"
-            f"_r = subprocess.run(['bash', '-c', {command!r}], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)\n"
-            "sys.stdout.write(_r.stdout.decode('utf-8', 'replace')); print(f'\\n__exit__={_r.returncode}')")
+    code = (
+        "import subprocess, sys\n"
+        f"_r = subprocess.run(['bash', '-c', {command!r}], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)\n"
+        "sys.stdout.write(_r.stdout.decode('utf-8', 'replace')); print(f'\\n__exit__={_r.returncode}')"
+    )
     observation = execute.execute("ipython", {"code": code}, timeout_s=timeout_s)
     if _unknown_tool(observation):
-        raise TaskError("extracting the artifact needs a shell in the sandbox: keep 'bash' (or 'ipython') "
-                        "in agent.tools")
+        raise TaskError(
+            "extracting the artifact needs a shell in the sandbox: keep 'bash' (or 'ipython') in agent.tools"
+        )
     output, _, exit_line = observation.get("output", "").rpartition("__exit__=")
     exit_code = int(exit_line.strip()) if exit_line.strip().lstrip("-").isdigit() else None
     return {**observation, "output": output.rstrip("\n"), "exit_code": exit_code}
@@ -90,12 +100,12 @@ def sandbox_path(path: str) -> str:
     """``path`` quoted for the sandbox's shell, ``/workspace`` being the job's workspace as the sandbox
     sees it (``$ROLLOUT_WORKSPACE``: a host path in a local sandbox, where /workspace is nobody's)."""
     if path == INNER_WORKSPACE or path.startswith(INNER_WORKSPACE + "/"):
-        rest = path[len(INNER_WORKSPACE):]
+        rest = path[len(INNER_WORKSPACE) :]
         return f'"${{ROLLOUT_WORKSPACE:-{INNER_WORKSPACE}}}"' + (shlex.quote(rest) if rest else "")
     return shlex.quote(path)
 
 
-def read_sandbox_file(execute: Any, path: str, max_bytes: int) -> Optional[bytes]:
+def read_sandbox_file(execute: Any, path: str, max_bytes: int) -> bytes | None:
     """The bytes of ``path`` inside a live sandbox, read in base64 chunks small enough for the
     tool output cap; None when it is not a regular file. Raises TaskError past ``max_bytes``."""
     quoted = sandbox_path(path)
@@ -138,7 +148,7 @@ def read_untrusted_file(path: Path, max_bytes: int) -> str:
     return data.decode("utf-8", "replace")
 
 
-def tagged_json(output: str, tag: str) -> Optional[Any]:
+def tagged_json(output: str, tag: str) -> Any | None:
     """The JSON value after the last ``tag`` in ``output`` (a grader's result line), or None."""
     head, found, rest = output.rpartition(tag)
     if not found:

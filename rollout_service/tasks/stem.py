@@ -8,11 +8,12 @@ a bare letter ("C", "(C)", "C."), the exact text of a choice, ``\\boxed{C}``, an
 phrase ("Answer: C", "the answer is (C)"), a last line that is a bare letter, the last
 "(C)". Reward 1 iff that letter is the gold one; ``details`` says what was parsed and how.
 """
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rollout_service.errors import ValidationError
 from rollout_service.schemas import ScoreResponse
@@ -23,7 +24,7 @@ MIN_CHOICES, MAX_CHOICES = 2, len(LETTERS)
 
 SYSTEM_PROMPT = (
     "You answer multiple-choice science questions. Think step by step, then call finish with "
-    "the letter of the correct choice as the answer, e.g. {\"answer\": \"C\"}."
+    'the letter of the correct choice as the answer, e.g. {"answer": "C"}.'
 )
 
 _BARE = re.compile(r"[(\[]?\s*([A-Ja-j])\s*[)\].:]?")
@@ -39,7 +40,7 @@ def _normalize(text: str) -> str:
     return " ".join(text.strip().rstrip(".").split()).casefold()
 
 
-def parse_choice(text: str, choices: list[str]) -> tuple[Optional[str], str]:
+def parse_choice(text: str, choices: list[str]) -> tuple[str | None, str]:
     """The letter chosen in ``text`` and the rule that found it, or (None, "none")."""
     stripped = text.strip()
     bare = _BARE.fullmatch(stripped)
@@ -70,16 +71,19 @@ def gold_letter(task: dict[str, Any]) -> str:
     if isinstance(answer, int) and not isinstance(answer, bool):
         if 0 <= answer < len(choices):
             return LETTERS[answer]
-        raise ValidationError(f"task.answer index {answer} is out of range: use 0..{len(choices) - 1} "
-                              "(0-based) or a letter")
+        raise ValidationError(
+            f"task.answer index {answer} is out of range: use 0..{len(choices) - 1} (0-based) or a letter"
+        )
     text = str(answer).strip()
-    if len(text) == 1 and text.upper() in LETTERS[:len(choices)]:
+    if len(text) == 1 and text.upper() in LETTERS[: len(choices)]:
         return text.upper()
     for index, choice in enumerate(choices):
         if _normalize(choice) == _normalize(text):
             return LETTERS[index]
-    raise ValidationError(f"task.answer {answer!r} names no choice: use a letter A-{LETTERS[len(choices) - 1]}, "
-                          "a 0-based index, or the exact text of a choice")
+    raise ValidationError(
+        f"task.answer {answer!r} names no choice: use a letter A-{LETTERS[len(choices) - 1]}, "
+        "a 0-based index, or the exact text of a choice"
+    )
 
 
 class StemHandler:
@@ -90,8 +94,7 @@ class StemHandler:
         require(task, "question", str, self.name)
         choices = require(task, "choices", list, self.name)
         if not MIN_CHOICES <= len(choices) <= MAX_CHOICES:
-            raise ValidationError(f"task.choices must have {MIN_CHOICES} to {MAX_CHOICES} options, "
-                                  f"got {len(choices)}")
+            raise ValidationError(f"task.choices must have {MIN_CHOICES} to {MAX_CHOICES} options, got {len(choices)}")
         if not all(isinstance(c, (str, int, float)) and not isinstance(c, bool) for c in choices):
             raise ValidationError("task.choices must be a list of strings (the option texts, without letters)")
         require(task, "answer", (str, int), self.name)
@@ -104,24 +107,25 @@ class StemHandler:
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         options = "\n".join(f"{LETTERS[i]}. {choice}" for i, choice in enumerate(task["choices"]))
-        user = (f"{task['question'].strip()}\n\n{options}\n\n"
-                "Call finish with the letter of the correct choice.")
+        user = f"{task['question'].strip()}\n\n{options}\n\nCall finish with the letter of the correct choice."
         return TaskSetup(
-            messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
-                      {"role": "user", "content": user}],
+            messages=[
+                {"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
+                {"role": "user", "content": user},
+            ],
             tools=self.offered_tools(task),
         )
 
-    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
-                 execute: Any) -> dict[str, Any]:
+    def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:
         return {"answer": answer if answer is not None else final_text}
 
-    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> Optional[ScoreResponse]:
+    def quick_score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse | None:
         return self.score(task, submission)  # a letter matched by a few regular expressions
 
     def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
         choices = [str(c) for c in task["choices"]]
         gold = gold_letter(task)
         parsed, rule = parse_choice(str(submission.get("answer") or ""), choices)
-        return ScoreResponse(reward=1.0 if parsed == gold else 0.0,
-                             details={"parsed_answer": parsed, "parsed_by": rule, "gold": gold})
+        return ScoreResponse(
+            reward=1.0 if parsed == gold else 0.0, details={"parsed_answer": parsed, "parsed_by": rule, "gold": gold}
+        )

@@ -20,6 +20,7 @@ patch; run the FAIL_TO_PASS and PASS_TO_PASS tests; parse pytest's ``-rA`` summa
 (reward 1) iff every FAIL_TO_PASS test passed (or xfailed) and every PASS_TO_PASS test passed
 (xfailed or skipped), as in SWE-bench's grading.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,21 +32,30 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rollout_service.errors import TaskError, ValidationError
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
 from rollout_service.tasks import TaskSetup, require
-from rollout_service.tasks.sandboxed import (eval_budget_s, grading_run, grading_workspace, read_sandbox_file,
-                                             read_untrusted_file, sandbox_path, shell)
+from rollout_service.tasks.sandboxed import (
+    eval_budget_s,
+    grading_run,
+    grading_workspace,
+    read_sandbox_file,
+    read_untrusted_file,
+    sandbox_path,
+    shell,
+)
 
 DEFAULT_IMAGE_REPO_DIR = "/testbed"
 PYTEST_ARGS = "-m pytest -rA -p no:cacheprovider"
 MAX_PATCH_BYTES = 8 * 1024 * 1024
 MAX_LOG_BYTES = 8 * 1024 * 1024
 LOG_TAIL_CHARS = 2000
-ARTIFACT_PATCH = "/tmp/rollout-artifact-{}.patch"  # one per extraction, removed after: /tmp is the host's in a local sandbox
+ARTIFACT_PATCH = (
+    "/tmp/rollout-artifact-{}.patch"  # one per extraction, removed after: /tmp is the host's in a local sandbox
+)
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
 IGNORED_IN_DIFF = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
 PASSING = {"PASSED", "XFAIL"}
@@ -70,8 +80,9 @@ def test_ids(task: dict[str, Any], name: str) -> list[str]:
         try:
             value = json.loads(value)
         except ValueError:
-            raise ValidationError(f"task.{name} is a string but not JSON: give a list of pytest node ids "
-                                  "or its JSON encoding") from None
+            raise ValidationError(
+                f"task.{name} is a string but not JSON: give a list of pytest node ids or its JSON encoding"
+            ) from None
     if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
         raise ValidationError(f"task.{name} must be a list of pytest node ids (strings)")
     return value
@@ -104,17 +115,23 @@ def parse_pytest_log(log: str, wanted: list[str]) -> dict[str, str]:
             statuses[rest] = status
             continue
         for match in re.finditer(r" - ", rest):
-            if rest[:match.start()] in wanted_set:
-                statuses[rest[:match.start()]] = status
+            if rest[: match.start()] in wanted_set:
+                statuses[rest[: match.start()]] = status
                 break
     return statuses
 
 
-def git(*args: str, cwd: Optional[Path] = None, check: bool = True) -> str:
+def git(*args: str, cwd: Path | None = None, check: bool = True) -> str:
     """Run git on the host, on repositories the service made or the operator gave (never the agent's)."""
     env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1"}
-    result = subprocess.run(["git", "-c", "core.hooksPath=/dev/null", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    result = subprocess.run(
+        ["git", "-c", "core.hooksPath=/dev/null", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if check and result.returncode != 0:
         raise TaskError(f"git {' '.join(args[:3])} failed: {result.stderr.strip()[-500:]}")
     return result.stdout
@@ -131,14 +148,17 @@ def allowed_repo_path(repo_path: str) -> str:
     resolved = os.path.realpath(repo_path)
     workspaces = os.path.realpath(settings.workspaces_path)
     if _is_under(resolved, workspaces):
-        raise ValidationError(f"task.repo_path {repo_path} is in the jobs' workspace directory {workspaces}, "
-                              "which agents write: give a repository the operator put in place")
+        raise ValidationError(
+            f"task.repo_path {repo_path} is in the jobs' workspace directory {workspaces}, "
+            "which agents write: give a repository the operator put in place"
+        )
     roots = settings.repo_root_paths
     if not any(_is_under(resolved, root) for root in roots):
         raise ValidationError(
             f"task.repo_path {repo_path}{f' (resolved: {resolved})' if resolved != repo_path else ''} is outside "
             f"the directories repositories may be read from ({', '.join(roots)}); put the repository under one "
-            "of them, or have the operator add its directory to ROLLOUT_REPO_ROOTS")
+            "of them, or have the operator add its directory to ROLLOUT_REPO_ROOTS"
+        )
     return resolved
 
 
@@ -148,16 +168,39 @@ def materialize(repo_path: str, commit: str, target: Path, shallow: bool) -> str
     checked again here: the worker runs as root and must read only what the operator allows."""
     source = Path(allowed_repo_path(repo_path))
     if not (source / ".git").exists() and not (source / "HEAD").exists():
-        raise TaskError(f"task.repo_path {repo_path} is not a git repository on this worker; give a path "
-                        "that every init and eval worker can read")
-    sha = git("-c", f"safe.directory={source}", "-C", str(source), "rev-parse", "--verify", "--quiet",
-              f"{commit}^{{commit}}", check=False).strip()
+        raise TaskError(
+            f"task.repo_path {repo_path} is not a git repository on this worker; give a path "
+            "that every init and eval worker can read"
+        )
+    sha = git(
+        "-c",
+        f"safe.directory={source}",
+        "-C",
+        str(source),
+        "rev-parse",
+        "--verify",
+        "--quiet",
+        f"{commit}^{{commit}}",
+        check=False,
+    ).strip()
     if not sha:
         raise TaskError(f"task.base_commit {commit} is not a commit of {repo_path}")
     target.mkdir(parents=True, exist_ok=True)
     git("init", "-q", str(target))
-    git("-c", "protocol.version=2", "-c", f"safe.directory={source}", "-C", str(target), "fetch", "-q",
-        "--no-tags", *(["--depth", "1"] if shallow else []), str(source), sha)
+    git(
+        "-c",
+        "protocol.version=2",
+        "-c",
+        f"safe.directory={source}",
+        "-C",
+        str(target),
+        "fetch",
+        "-q",
+        "--no-tags",
+        *(["--depth", "1"] if shallow else []),
+        str(source),
+        sha,
+    )
     git("-C", str(target), "checkout", "-q", "-B", "main", sha)
     git("-C", str(target), "config", "user.name", "rollout-agent")
     git("-C", str(target), "config", "user.email", "agent@rollout.invalid")
@@ -191,15 +234,18 @@ class SweHandler:
         require(task, "instance_id", str, self.name)
         require(task, "problem_statement", str, self.name)
         if not _SHA.fullmatch(require(task, "base_commit", str, self.name)):
-            raise ValidationError(f"task.base_commit must be a commit id (7 to 40 hex digits), "
-                                  f"got {task['base_commit']!r}")
+            raise ValidationError(
+                f"task.base_commit must be a commit id (7 to 40 hex digits), got {task['base_commit']!r}"
+            )
         require(task, "test_patch", str, self.name)
         if not test_ids(task, "FAIL_TO_PASS"):
             raise ValidationError("task.FAIL_TO_PASS must name at least one test (a pytest node id)")
         test_ids(task, "PASS_TO_PASS")
         if task.get("repo_path") is None and task.get("image") is None:
-            raise ValidationError("task.repo_path (a local git repository, for bwrap) or task.image "
-                                  "(for singularity) is required for domain 'swe'")
+            raise ValidationError(
+                "task.repo_path (a local git repository, for bwrap) or task.image "
+                "(for singularity) is required for domain 'swe'"
+            )
         if task.get("repo_path") is not None:
             if not os.path.isabs(require(task, "repo_path", str, self.name)):
                 raise ValidationError(f"task.repo_path must be an absolute path, got {task['repo_path']!r}")
@@ -210,8 +256,9 @@ class SweHandler:
         if task.get("repo_dir") is not None and not os.path.isabs(require(task, "repo_dir", str, self.name)):
             raise ValidationError(f"task.repo_dir must be an absolute path inside the image, got {task['repo_dir']!r}")
         timeout = task.get("timeout_s")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                                        and timeout > 0):
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        ):
             raise ValidationError(f"task.timeout_s must be a positive number of seconds, got {timeout!r}")
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
@@ -219,36 +266,49 @@ class SweHandler:
         if task.get("repo_path"):
             materialize(task["repo_path"], task["base_commit"], workspace, shallow=False)
         elif get_settings().sandbox not in ("singularity", "apptainer"):
-            raise TaskError(f"task {task['instance_id']} has only an image, which needs ROLLOUT_SANDBOX="
-                            f"singularity (this worker uses {get_settings().sandbox}); give task.repo_path "
-                            "to run it with bwrap")
+            raise TaskError(
+                f"task {task['instance_id']} has only an image, which needs ROLLOUT_SANDBOX="
+                f"singularity (this worker uses {get_settings().sandbox}); give task.repo_path "
+                "to run it with bwrap"
+            )
         repo_dir = self.repo_dir(task)
-        user = (f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
-                f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "
-                "hidden tests will check it. When you are done, call finish.")
+        user = (
+            f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
+            f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "
+            "hidden tests will check it. When you are done, call finish."
+        )
         return TaskSetup(
-            messages=[{"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
-                      {"role": "user", "content": user}],
-            tools=self.tools, image=task.get("image"), extra={"repo_dir": repo_dir},
+            messages=[
+                {"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
+                {"role": "user", "content": user},
+            ],
+            tools=self.tools,
+            image=task.get("image"),
+            extra={"repo_dir": repo_dir},
         )
 
     @staticmethod
     def repo_dir(task: dict[str, Any], workspace: str = "/workspace") -> str:
         return workspace if task.get("repo_path") else task.get("repo_dir") or DEFAULT_IMAGE_REPO_DIR
 
-    def artifact(self, task: dict[str, Any], answer: Optional[str], final_text: str,
-                 execute: Any) -> dict[str, Any]:
+    def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:
         if execute is None:
             return {"patch": "", "answer": answer, "error": "no sandbox ran, so nothing changed"}
         base = task["base_commit"]
         repo = sandbox_path(self.repo_dir(task))
         patch_file = ARTIFACT_PATCH.format(uuid.uuid4().hex)
         try:
-            diff = shell(execute, f"cd {repo} && {SAFE_GIT} add -A && {SAFE_GIT} --no-pager diff --cached "
-                                  f"--no-color --no-ext-diff --no-textconv --binary {base} > {patch_file}")
+            diff = shell(
+                execute,
+                f"cd {repo} && {SAFE_GIT} add -A && {SAFE_GIT} --no-pager diff --cached "
+                f"--no-color --no-ext-diff --no-textconv --binary {base} > {patch_file}",
+            )
             if diff.get("exit_code") != 0:
-                return {"patch": "", "answer": answer,
-                        "error": f"git diff failed in the sandbox: {diff.get('output', '')[-500:]}"}
+                return {
+                    "patch": "",
+                    "answer": answer,
+                    "error": f"git diff failed in the sandbox: {diff.get('output', '')[-500:]}",
+                }
             data = read_sandbox_file(execute, patch_file, MAX_PATCH_BYTES) or b""
         finally:
             shell(execute, f"rm -f {patch_file}")
@@ -266,8 +326,9 @@ class SweHandler:
                 materialize(task["repo_path"], task["base_commit"], workspace / "repo", shallow=True)
             (workspace / "model.patch").write_text(patch if patch.endswith("\n") else patch + "\n")
             (workspace / "test.patch").write_text(task["test_patch"])
-            (workspace / "grade.sh").write_text(grading_script(task, self.repo_dir(task, "/workspace/repo"),
-                                                               fail_to_pass + pass_to_pass, budget_s))
+            (workspace / "grade.sh").write_text(
+                grading_script(task, self.repo_dir(task, "/workspace/repo"), fail_to_pass + pass_to_pass, budget_s)
+            )
             _, output = grading_run(workspace, task.get("image"), budget_s, ("bash", "/workspace/grade.sh"))
             log = read_untrusted_file(workspace / "test.log", MAX_LOG_BYTES)
             apply_log = read_untrusted_file(workspace / "apply.log", LOG_TAIL_CHARS)
@@ -277,8 +338,9 @@ class SweHandler:
         return self._report(fail_to_pass, pass_to_pass, statuses, stage, log, apply_log)
 
     @staticmethod
-    def _report(fail_to_pass: list[str], pass_to_pass: list[str], statuses: dict[str, str], stage: str,
-                log: str, apply_log: str) -> ScoreResponse:
+    def _report(
+        fail_to_pass: list[str], pass_to_pass: list[str], statuses: dict[str, str], stage: str, log: str, apply_log: str
+    ) -> ScoreResponse:
         f2p = [t for t in fail_to_pass if statuses.get(t) in PASSING]
         p2p = [t for t in pass_to_pass if statuses.get(t) in MAINTAINED]
         ran = stage.startswith("tests-exited")

@@ -7,6 +7,7 @@ Protocol: one JSON object per line each way. A request is ``{"tool", "args", "ti
 run one at a time. Prints ``ready`` on stdout once it accepts connections. Imports only the
 stdlib and ptyprocess at start-up, so it runs on any image that has the runtime installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,13 @@ import os
 import socket
 import sys
 import threading
-TYPE_CHECKING = False  # typing costs ~3 ms at every sandbox boot; annotations are not evaluated
-if TYPE_CHECKING:
-    from typing import Any
 
 from rollout_service.tools.confine import apply_limits, drop_privileges
 from rollout_service.tools.output import error_observation, observation
+
+TYPE_CHECKING = False  # the sandbox's tools do not import typing at run time
+if TYPE_CHECKING:
+    from typing import Any
 
 READY_LINE = b"ready\n"
 BASH_READY_TIMEOUT_S = 30.0
@@ -99,8 +101,10 @@ class Toolbox:
 
     def own_pids(self) -> set[int]:
         """The processes the tools started themselves (and wait for)."""
-        pids = {self._bash.pid if self._bash is not None else None,
-                self._ipython.pid if self._ipython is not None else None}
+        pids = {
+            self._bash.pid if self._bash is not None else None,
+            self._ipython.pid if self._ipython is not None else None,
+        }
         return {pid for pid in pids if pid is not None}
 
     def _run_bash(self, command: str, timeout_s: float, output_cap: int) -> dict[str, Any]:

@@ -6,6 +6,7 @@ when the shell is back at its prompt; the output is everything before it. Reads 
 ``select`` (no sleep polling). A timeout sends Ctrl-C, then kills the foreground process group,
 then, as a last resort, replaces the shell.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -16,9 +17,6 @@ import signal
 import struct
 import termios
 import time
-TYPE_CHECKING = False  # typing costs ~3 ms at every sandbox boot; annotations are not evaluated
-if TYPE_CHECKING:
-    from typing import Any
 
 import ptyprocess
 
@@ -29,6 +27,10 @@ from rollout_service.tools.output import (
     error_observation,
     observation,
 )
+
+TYPE_CHECKING = False  # the sandbox's tools do not import typing at run time
+if TYPE_CHECKING:
+    from typing import Any
 
 INTERRUPT_GRACE_S = 1.0
 KILL_GRACE_S = 1.0
@@ -61,9 +63,7 @@ class BashSession:
         self._nonce = os.urandom(6).hex()
         self._sentinel = re.compile(rb"\x1e\x1e" + self._nonce.encode() + rb" (\d+) (\d+)\x1e\x1e")
         self._process, configured = self._spawn_shell(["bash", "--norc", "--noprofile", "--noediting", "-i"])
-        prompt_command = (
-            f'__rs_rc=$?; printf "\\036\\036{self._nonce} %s %s\\036\\036" "${{__rs_seq:-0}}" "$__rs_rc"'
-        )
+        prompt_command = f'__rs_rc=$?; printf "\\036\\036{self._nonce} %s %s\\036\\036" "${{__rs_seq:-0}}" "$__rs_rc"'
         setup = (
             "PS1=''; PS2=''; PS0=''; unset HISTFILE MAILCHECK; set +H; "
             f"{'' if configured else 'stty -echo -onlcr 2>/dev/null; '}"
@@ -81,7 +81,9 @@ class BashSession:
         tables and pages, ~3 ms of CPU per sandbox; ptyprocess's own spawn where the shell must
         start in another directory than this one."""
         if os.path.realpath(os.getcwd()) != os.path.realpath(self.cwd):
-            return ptyprocess.PtyProcess.spawn(argv, cwd=self.cwd, env=self.env, echo=False, dimensions=(40, 200)), False
+            return ptyprocess.PtyProcess.spawn(
+                argv, cwd=self.cwd, env=self.env, echo=False, dimensions=(40, 200)
+            ), False
         master, terminal = os.openpty()
         try:
             attributes = termios.tcgetattr(terminal)
@@ -89,9 +91,18 @@ class BashSession:
             attributes[3] &= ~termios.ECHO
             termios.tcsetattr(terminal, termios.TCSANOW, attributes)
             fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
-            pid = os.posix_spawnp(argv[0], argv, self.env, setsid=True, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
-                                  file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.ttyname(terminal), os.O_RDWR, 0),
-                                                (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)])
+            pid = os.posix_spawnp(
+                argv[0],
+                argv,
+                self.env,
+                setsid=True,
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.ttyname(terminal), os.O_RDWR, 0),
+                    (os.POSIX_SPAWN_DUP2, 0, 1),
+                    (os.POSIX_SPAWN_DUP2, 0, 2),
+                ],
+            )
         except BaseException:
             os.close(master)
             raise

@@ -12,6 +12,7 @@ the child exits 0 *and* wrote its token, so ``sys.exit(0)`` or ``os._exit(0)`` i
 submission is a failure, not a pass. A child past its time is killed with its process group.
 The last line printed is ``<nonce> <json list of {"status", "error"}>``.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,8 @@ STDERR_TAIL_BYTES = 2000
 ERROR_CHARS = 160
 
 MAX_FD = 1 << 20
+
+
 def forbid_inspection() -> None:
     """Other processes of this uid may not read our memory (where the nonce lives)."""
     try:
@@ -113,7 +116,7 @@ def run_child(program: str, test: str, token: str, out: int, err: int, scratch: 
             os._exit(code)
 
 
-def wait_for(pid: int, timeout_s: float) -> "int | None":
+def wait_for(pid: int, timeout_s: float) -> int | None:
     """The exit code of child ``pid`` (negative: the signal), or None if it runs past ``timeout_s``."""
     import select
 
@@ -173,8 +176,15 @@ def main(payload_path: str) -> None:
         scratch = os.path.join(os.environ.get("TMPDIR") or "/tmp", f"test-{os.urandom(8).hex()}")
         os.mkdir(scratch, 0o700)
         try:
-            results.append(run_test(payload["program"], test, min(float(payload["timeout_s"]), remaining),
-                                    scratch, payload.get("site_paths", [])))
+            results.append(
+                run_test(
+                    payload["program"],
+                    test,
+                    min(float(payload["timeout_s"]), remaining),
+                    scratch,
+                    payload.get("site_paths", []),
+                )
+            )
         finally:
             remove_tree(scratch)
     print(f"\n{payload['nonce']} {json.dumps(results)}", flush=True)

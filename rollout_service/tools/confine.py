@@ -8,6 +8,7 @@ tool server, no shell, no second Python start), any other program in its place.
     python -I -S -c BOOTSTRAP --memory-mb 2048 --cpu-time-s 60 --max-procs 256 \
         --workspace /workspace --argv /workspace/grader.py --argv /workspace/grading.json [--user UID:GID]
 """
+
 from __future__ import annotations
 
 import os
@@ -91,7 +92,7 @@ def run(script: list[str]) -> int:
     if script[0].startswith(MODULE_PREFIX):
         import importlib
 
-        importlib.import_module(script[0][len(MODULE_PREFIX):]).main(*script[1:])
+        importlib.import_module(script[0][len(MODULE_PREFIX) :]).main(*script[1:])
         return 0
     import runpy
 

@@ -3,14 +3,16 @@
 Paths are relative to the workspace unless absolute. Every mistake is an observation that
 says how to fix the call.
 """
+
 from __future__ import annotations
 
 import os
-TYPE_CHECKING = False  # typing costs ~3 ms at every sandbox boot; annotations are not evaluated
-if TYPE_CHECKING:
-    from typing import Any
 
 from rollout_service.tools.output import cap_output, error_observation, observation
+
+TYPE_CHECKING = False  # the sandbox's tools do not import typing at run time
+if TYPE_CHECKING:
+    from typing import Any
 
 COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
 SNIPPET_LINES = 4

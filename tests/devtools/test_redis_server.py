@@ -1,4 +1,5 @@
 """The embedded Redis is private to the service: a password, no reconfiguration, private files."""
+
 from __future__ import annotations
 
 import time

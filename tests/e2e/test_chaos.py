@@ -1,28 +1,29 @@
 """Faults under load, as an operator meets them: pieces of `rollout-service up` killed with
 SIGKILL while 200 jobs run in bwrap sandboxes, and the service restarting each."""
+
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
-import shutil
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 
-from rollout_service.sdk.client import RolloutClient
-from rollout_service.errors import ApiError
 from rollout_service.devtools.redis_server import free_port
+from rollout_service.errors import ApiError
 from rollout_service.schemas import JobView
+from rollout_service.sdk.client import RolloutClient
 from tests.helpers import math_task, processes_with, server_log, tool_call, wait_for
 
 JOBS = 200
@@ -49,11 +50,22 @@ class Up:
 def rollout_service_up(state: Path, **settings: str) -> Iterator[Up]:
     """`rollout-service up --no-reference` as a user starts it; stopped with Ctrl-C at the end."""
     port, flower_port = free_port(), free_port()
-    env = {**os.environ, "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_PORT": str(port),
-           "ROLLOUT_FLOWER_PORT": str(flower_port), "ROLLOUT_API_TOKEN": TOKEN, **settings}
+    env = {
+        **os.environ,
+        "ROLLOUT_STATE_DIR": str(state),
+        "ROLLOUT_PORT": str(port),
+        "ROLLOUT_FLOWER_PORT": str(flower_port),
+        "ROLLOUT_API_TOKEN": TOKEN,
+        **settings,
+    }
     env.pop("ROLLOUT_REDIS_URL", None)
-    process = subprocess.Popen([sys.executable, "-m", "rollout_service.cli", "up", "--no-reference"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollout_service.cli", "up", "--no-reference"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     up = Up(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{flower_port}", state)
     reader = threading.Thread(target=lambda: up.lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
@@ -69,8 +81,11 @@ def rollout_service_up(state: Path, **settings: str) -> Iterator[Up]:
 
 def main_pid(state: Path, marker: bytes) -> int:
     """The pid of the piece of ``up`` whose command line holds ``marker`` (a child of ``up``)."""
-    ups = {pid for pid in processes_with(f"ROLLOUT_STATE_DIR={state}")
-           if b"rollout_service.cli\0up" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    ups = {
+        pid
+        for pid in processes_with(f"ROLLOUT_STATE_DIR={state}")
+        if b"rollout_service.cli\0up" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    }
     for proc in Path("/proc").iterdir():
         with contextlib.suppress(OSError, ValueError):
             parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -108,18 +123,28 @@ def sandbox_processes(scratch: Path) -> list[int]:
 
 
 def test_up_restarts_a_killed_run_worker_eval_worker_and_redis_and_every_job_completes_once(
-        tmp_path: Path, scripted_server: Callable[..., str], tiny_tokenizer_dir: Path) -> None:
+    tmp_path: Path, scripted_server: Callable[..., str], tiny_tokenizer_dir: Path
+) -> None:
     problem = f"Chaos ({uuid.uuid4().hex[:6]})"
     steps = [{"text": tool_call("bash", command=f"echo step {i}"), "delay_s": 1.0} for i in range(3)]
-    backend_url = scripted_server({"episodes": [{"match": problem, "turns": [
-        *steps, tool_call("finish", answer="\\boxed{4}")]}]})
+    backend_url = scripted_server(
+        {"episodes": [{"match": problem, "turns": [*steps, tool_call("finish", answer="\\boxed{4}")]}]}
+    )
     scratch = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))  # sockets in it: paths of <= 107 bytes
     state = tmp_path / "state"
-    with rollout_service_up(state, ROLLOUT_RUN_WORKERS="2", ROLLOUT_LEASE_TTL_S="3",
-                            ROLLOUT_BACKEND_PROBE_INTERVAL_S="1", ROLLOUT_SCORE_IN_RUN="0",
-                            ROLLOUT_SANDBOX_SCRATCH_DIR=str(scratch), ROLLOUT_GATEWAY_WORKERS="1",
-                            ROLLOUT_SHUTDOWN_GRACE_S="10") as up, \
-            RolloutClient(up.gateway, token=TOKEN, timeout_s=60) as client:
+    with (
+        rollout_service_up(
+            state,
+            ROLLOUT_RUN_WORKERS="2",
+            ROLLOUT_LEASE_TTL_S="3",
+            ROLLOUT_BACKEND_PROBE_INTERVAL_S="1",
+            ROLLOUT_SCORE_IN_RUN="0",
+            ROLLOUT_SANDBOX_SCRATCH_DIR=str(scratch),
+            ROLLOUT_GATEWAY_WORKERS="1",
+            ROLLOUT_SHUTDOWN_GRACE_S="10",
+        ) as up,
+        RolloutClient(up.gateway, token=TOKEN, timeout_s=60) as client,
+    ):
         assert httpx.get(f"{up.flower}/api/workers").status_code == 401  # the API token guards Flower too
         assert httpx.get(f"{up.flower}/api/workers", auth=("rollout", TOKEN)).status_code == 200
         client.add_backend(backend_url, "vllm", "chaos", tokenizer=str(tiny_tokenizer_dir))
@@ -128,10 +153,16 @@ def test_up_restarts_a_killed_run_worker_eval_worker_and_redis_and_every_job_com
         wait_for(lambda: len(server_log(backend_url)) >= JOBS // 2, 120, "half the episodes to be under way")
         in_flight_at_kills = [unfinished(client, job_ids)]
         os.kill(main_pid(state, b"-Q\0run"), signal.SIGKILL)
-        wait_for(lambda: up.said("worker-run-1 restarted") or up.said("worker-run-2 restarted"), 60,
-                 "the run worker's restart")
-        wait_for(lambda: any(client.get(j).status.value in ("evaluating", "completed") for j in job_ids[::10]),
-                 120, "grading to begin")
+        wait_for(
+            lambda: up.said("worker-run-1 restarted") or up.said("worker-run-2 restarted"),
+            60,
+            "the run worker's restart",
+        )
+        wait_for(
+            lambda: any(client.get(j).status.value in ("evaluating", "completed") for j in job_ids[::10]),
+            120,
+            "grading to begin",
+        )
         in_flight_at_kills.append(unfinished(client, job_ids))
         os.kill(main_pid(state, b"-Q\0eval"), signal.SIGKILL)
         wait_for(lambda: up.said("worker-eval restarted"), 60, "the eval worker's restart")
@@ -144,7 +175,8 @@ def test_up_restarts_a_killed_run_worker_eval_worker_and_redis_and_every_job_com
     output = up.output()
     assert up.process.returncode == 0, output
     assert Counter(v.status.value for v in views) == {"completed": JOBS}, [
-        (v.job_id, v.status.value, v.error) for v in views if v.status.value != "completed"]
+        (v.job_id, v.status.value, v.error) for v in views if v.status.value != "completed"
+    ]
     assert all(v.reward == 1.0 for v in views)
     assert all(in_flight_at_kills), in_flight_at_kills  # each piece died with jobs in flight
     assert any(v.attempts > 1 for v in views)  # the killed run worker's episodes ran again

@@ -1,5 +1,6 @@
 """Operations files: the sbatch and shell scripts parse and pass shellcheck, and docker-compose.yml
 (which cannot be run here: no Docker engine or compose plugin) is checked as data."""
+
 from __future__ import annotations
 
 import shlex

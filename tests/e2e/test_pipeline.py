@@ -1,5 +1,6 @@
 """End to end through real HTTP, real Celery workers on every queue, real Redis and real
 sandboxes; only the LLM is scripted, behind the vLLM/SGLang token protocols."""
+
 from __future__ import annotations
 
 import time
@@ -16,12 +17,22 @@ from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned,
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 def test_a_math_job_completes_with_reward_timings_and_an_exact_trajectory(client, scripted_backend, kind):
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
-    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
-        "Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"),
-        "It is \\boxed{4}.\n" + tool_call("finish", answer="\\boxed{4}"),
-    ]}]}, kind=kind)
+    backend = scripted_backend(
+        {
+            "episodes": [
+                {
+                    "match": problem,
+                    "turns": [
+                        "Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"),
+                        "It is \\boxed{4}.\n" + tool_call("finish", answer="\\boxed{4}"),
+                    ],
+                }
+            ]
+        },
+        kind=kind,
+    )
     job_id = client.submit(math_task(problem)).job_ids[0]
-    view, = client.wait([job_id], timeout_s=120)
+    (view,) = client.wait([job_id], timeout_s=120)
 
     assert view.status.value == "completed", view.error
     assert view.reward == 1.0 and view.finish_reason.value == "finished"
@@ -35,12 +46,24 @@ def test_a_math_job_completes_with_reward_timings_and_an_exact_trajectory(client
 
 
 def test_a_math_job_asking_for_bash_computes_in_its_sandbox_and_is_scored_by_its_run_worker(
-        client, scripted_backend, service):
+    client, scripted_backend, service
+):
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [{"match": problem, "turns": [
-        tool_call("bash", command="echo $((2 + 2)) from $(hostname)"), tool_call("finish", answer="4")]}]})
+    scripted_backend(
+        {
+            "episodes": [
+                {
+                    "match": problem,
+                    "turns": [
+                        tool_call("bash", command="echo $((2 + 2)) from $(hostname)"),
+                        tool_call("finish", answer="4"),
+                    ],
+                }
+            ]
+        }
+    )
     job_id = client.submit(math_task(problem), agent={"tools": ["bash", "finish"]}).job_ids[0]
-    view, = client.wait([job_id], timeout_s=120)
+    (view,) = client.wait([job_id], timeout_s=120)
 
     assert view.status.value == "completed" and view.reward == 1.0, view.error
     assert view.timings.sandbox_boot_s is not None
@@ -51,15 +74,16 @@ def test_a_math_job_asking_for_bash_computes_in_its_sandbox_and_is_scored_by_its
 
 
 def test_a_math_job_skips_the_init_queue_and_its_run_worker_prepares_it_with_a_model_registered_just_now(
-        client, scripted_backend, service):
+    client, scripted_backend, service
+):
     problem = f"Skip init ({uuid.uuid4().hex[:6]})"
     script = {"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]}
     scripted_backend(script, "vllm", "first-model")
-    warm, = client.submit(math_task(problem), sampling={"model": "first-model"}).job_ids
+    (warm,) = client.submit(math_task(problem), sampling={"model": "first-model"}).job_ids
     client.wait([warm], timeout_s=60)  # the run worker has read the backends it prepares with
     late = scripted_backend(script, "vllm", "late-model")
-    job_id, = client.submit(math_task(problem), sampling={"model": "late-model"}).job_ids
-    view, = client.wait([job_id], timeout_s=60)
+    (job_id,) = client.submit(math_task(problem), sampling={"model": "late-model"}).job_ids
+    (view,) = client.wait([job_id], timeout_s=60)
 
     assert view.status.value == "completed" and view.backend_id == late.id, view.error
     fields = {k.decode(): v.decode() for k, v in service.redis().hgetall(f"rollout:job:{job_id}").items()}
@@ -69,11 +93,18 @@ def test_a_math_job_skips_the_init_queue_and_its_run_worker_prepares_it_with_a_m
     assert_trajectory_is_exactly_what_the_server_returned(client.trajectory(job_id), server_log(late.url))
 
 
-def test_the_run_worker_scores_a_plain_number_itself_and_leaves_an_expression_to_eval(client, scripted_backend, service):
+def test_the_run_worker_scores_a_plain_number_itself_and_leaves_an_expression_to_eval(
+    client, scripted_backend, service
+):
     problem = f"Scored where ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [
-        {"match": f"{problem} plain", "turns": [tool_call("finish", answer="\\boxed{4}")]},
-        {"match": f"{problem} latex", "turns": [tool_call("finish", answer="\\boxed{\\frac{8}{2}}")]}]})
+    scripted_backend(
+        {
+            "episodes": [
+                {"match": f"{problem} plain", "turns": [tool_call("finish", answer="\\boxed{4}")]},
+                {"match": f"{problem} latex", "turns": [tool_call("finish", answer="\\boxed{\\frac{8}{2}}")]},
+            ]
+        }
+    )
     jobs = [client.submit(math_task(f"{problem} {kind}")).job_ids[0] for kind in ("plain", "latex")]
     views = client.wait(jobs, timeout_s=60)
 
@@ -90,7 +121,7 @@ def test_the_run_worker_scores_a_plain_number_itself_and_leaves_an_expression_to
 def test_a_wrong_answer_scores_zero_and_a_plain_text_answer_ends_with_no_tool_call(client, scripted_backend):
     problem = f"What is 2 + 3? ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": ["I believe it is \\boxed{6}."]}]})
-    view, = client.wait(client.submit(math_task(problem, answer="5")).job_ids, timeout_s=120)
+    (view,) = client.wait(client.submit(math_task(problem, answer="5")).job_ids, timeout_s=120)
     assert view.status.value == "completed"
     assert view.reward == 0.0 and view.finish_reason.value == "no_tool_call"
     assert view.result["details"]["parsed_answer"]
@@ -99,7 +130,7 @@ def test_a_wrong_answer_scores_zero_and_a_plain_text_answer_ends_with_no_tool_ca
 def test_trajectory_is_served_as_msgpack_too(client, scripted_backend, service):
     problem = f"Say four ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
-    job_id, = client.submit(math_task(problem)).job_ids
+    (job_id,) = client.submit(math_task(problem)).job_ids
     client.wait([job_id], timeout_s=120)
     as_json = httpx.get(f"{service.url}/v1/jobs/{job_id}/trajectory").json()
     packed = httpx.get(f"{service.url}/v1/jobs/{job_id}/trajectory", headers={"Accept": "application/msgpack"})
@@ -123,9 +154,8 @@ def test_a_job_for_an_unreachable_backend_fails_with_a_clear_error(client, tiny_
     backend = client.add_backend("http://127.0.0.1:9", "vllm", "nowhere", tokenizer=str(tiny_tokenizer_dir))
     try:
         start = time.monotonic()
-        job_id, = client.submit(math_task("2+2?"), sampling={"model": "nowhere"},
-                                agent={"tools": ["finish"]}).job_ids
-        view, = client.wait([job_id], timeout_s=60)
+        (job_id,) = client.submit(math_task("2+2?"), sampling={"model": "nowhere"}, agent={"tools": ["finish"]}).job_ids
+        (view,) = client.wait([job_id], timeout_s=60)
         assert view.status.value == "failed"
         assert view.error.code in ("backend_unreachable", "backend_error", "no_backend", "task_error")
         assert "127.0.0.1:9" in view.error.message or "nowhere" in view.error.message
@@ -146,26 +176,27 @@ def test_a_job_whose_model_left_after_submission_fails_and_says_why(client, scri
     backend = scripted_backend({"episodes": []}, model="leaving-model")
     client.pause()  # no call starts before the backend leaves (the run worker could otherwise be quicker)
     try:
-        job_id, = client.submit(math_task("2+2?"), sampling={"model": "leaving-model"}).job_ids
+        (job_id,) = client.submit(math_task("2+2?"), sampling={"model": "leaving-model"}).job_ids
         client.remove_backend(backend.id)
     finally:
         client.resume()
-    view, = client.wait([job_id], timeout_s=60)
+    (view,) = client.wait([job_id], timeout_s=60)
     assert view.status.value == "failed"
     assert "leaving-model" in view.error.message or "no inference backend" in view.error.message
 
 
 def test_cancel_ends_a_running_job_cancelled_and_keeps_its_partial_trajectory(client, scripted_backend):
     problem = f"Slow ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [{"match": problem, "turns": [
-        {"text": tool_call("ipython", code="1"), "delay_s": 0.3}] * 50}]})
-    job_id, = client.submit(math_task(problem), agent={"max_turns": 50}).job_ids
+    scripted_backend(
+        {"episodes": [{"match": problem, "turns": [{"text": tool_call("ipython", code="1"), "delay_s": 0.3}] * 50}]}
+    )
+    (job_id,) = client.submit(math_task(problem), agent={"max_turns": 50}).job_ids
     deadline = time.monotonic() + 60
     while client.get(job_id).status.value != "running" and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)
     client.cancel(job_id)
-    view, = client.wait([job_id], timeout_s=60)
+    (view,) = client.wait([job_id], timeout_s=60)
     assert view.status.value == "cancelled"
     trajectory = client.trajectory(job_id)
     assert trajectory.finish_reason.value == "cancelled" and trajectory.truncated
@@ -175,7 +206,7 @@ def test_cancel_ends_a_running_job_cancelled_and_keeps_its_partial_trajectory(cl
 def test_cancelling_a_finished_job_changes_nothing(client, scripted_backend):
     problem = f"Done ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": ["\\boxed{4}"]}]})
-    job_id, = client.submit(math_task(problem)).job_ids
+    (job_id,) = client.submit(math_task(problem)).job_ids
     client.wait([job_id], timeout_s=120)
     assert client.cancel(job_id).status.value == "completed"
 
@@ -188,8 +219,9 @@ def test_unknown_job_raises_a_typed_client_error(client):
 
 def test_jobs_cancelled_in_any_stage_all_reach_a_terminal_state(client, scripted_backend):
     problem = f"Cancel storm ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [{"match": problem, "turns": [
-        {"text": tool_call("ipython", code="1"), "delay_s": 0.2}] * 20}]})
+    scripted_backend(
+        {"episodes": [{"match": problem, "turns": [{"text": tool_call("ipython", code="1"), "delay_s": 0.2}] * 20}]}
+    )
     job_ids = client.submit(math_task(problem), n=8, agent={"max_turns": 20}).job_ids
     for number, job_id in enumerate(job_ids):
         time.sleep(0.15 * number)
@@ -206,19 +238,27 @@ def test_rollouts_of_a_seeded_group_get_distinct_seeds(client, scripted_backend)
     assert sorted(call["params"]["seed"] for call in server_log(backend.url)) == [10, 11, 12]
 
 
-
 def test_a_sandbox_that_cannot_start_fails_the_job_at_its_first_tool_call_and_keeps_the_first_turn(
-        tmp_path, scripted_server, tiny_tokenizer_dir):
+    tmp_path, scripted_server, tiny_tokenizer_dir
+):
     """The sandbox starts while the first LLM call runs; its error surfaces where the episode needs it."""
     from tests.fixtures_service import running_service
 
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
-    url = scripted_server({"episodes": [{"match": problem, "turns": [
-        "Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"), "It is \\boxed{4}."]}]})
+    url = scripted_server(
+        {
+            "episodes": [
+                {
+                    "match": problem,
+                    "turns": ["Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"), "It is \\boxed{4}."],
+                }
+            ]
+        }
+    )
     with running_service(tmp_path, ROLLOUT_SANDBOX="singularity") as service, service.client() as client:
         client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
         job_id = client.submit(math_task(problem)).job_ids[0]  # no image: singularity cannot start
-        view, = client.wait([job_id], timeout_s=120)
+        (view,) = client.wait([job_id], timeout_s=120)
         assert view.status.value == "failed" and view.error.code == "sandbox_error", view.error
         assert "needs an image" in view.error.message
         trajectory = client.trajectory(job_id)

@@ -1,4 +1,5 @@
 """Many rollouts at once through one run worker: all complete, all in flight together, all exact."""
+
 from __future__ import annotations
 
 import threading
@@ -21,15 +22,25 @@ def assert_workers_kept_their_broker_connection(service: Service) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_two_hundred_concurrent_scripted_rollouts_all_complete_token_exact(tmp_path, scripted_server,
-                                                                          tiny_tokenizer_dir):
+def test_two_hundred_concurrent_scripted_rollouts_all_complete_token_exact(
+    tmp_path, scripted_server, tiny_tokenizer_dir
+):
     turns = [tool_call("nothing")] * 2 + [tool_call("finish", answer="\\boxed{4}")]
     url = scripted_server({"episodes": [{"match": "scale-test", "turns": turns}]}, "--latency-s", "1.0")
-    with running_service(tmp_path / "service", ROLLOUT_RUN_CONCURRENCY=str(ROLLOUTS + 56),
-                         ROLLOUT_INIT_CONCURRENCY="32") as service, service.client() as client:
+    with (
+        running_service(
+            tmp_path / "service", ROLLOUT_RUN_CONCURRENCY=str(ROLLOUTS + 56), ROLLOUT_INIT_CONCURRENCY="32"
+        ) as service,
+        service.client() as client,
+    ):
         backend = client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
-        bodies = [{"task": {"domain": "math", "problem": f"scale-test #{i}: 2 + 2?", "answer": "4"},
-                   "agent": {"tools": ["finish"]}} for i in range(ROLLOUTS)]
+        bodies = [
+            {
+                "task": {"domain": "math", "problem": f"scale-test #{i}: 2 + 2?", "answer": "4"},
+                "agent": {"tools": ["finish"]},
+            }
+            for i in range(ROLLOUTS)
+        ]
         in_flight: list[int] = []
         stop = threading.Event()
 
@@ -55,19 +66,27 @@ def test_two_hundred_concurrent_scripted_rollouts_all_complete_token_exact(tmp_p
         log = server_log(url)
         by_prompt = {tuple(call["prompt_ids"]): call for call in log}
         for trajectory in client.trajectories(job_ids[:: ROLLOUTS // 10]).values():
-            calls = [by_prompt[tuple(trajectory.prompt_ids + trajectory.response_ids[:t.start])]
-                     for t in trajectory.turns if t.kind == "generation"]
+            calls = [
+                by_prompt[tuple(trajectory.prompt_ids + trajectory.response_ids[: t.start])]
+                for t in trajectory.turns
+                if t.kind == "generation"
+            ]
             assert_trajectory_is_exactly_what_the_server_returned(trajectory, calls)
         time.sleep(0.5)
         assert next(b.live_assignments for b in client.backends() if b.id == backend.id) == 0
 
 
 def test_a_run_worker_runs_no_more_jobs_than_its_slots_however_many_a_message_carries(
-        tmp_path, scripted_server, tiny_tokenizer_dir):
-    url = scripted_server({"episodes": [{"match": "slots-test", "turns": [
-        {"text": tool_call("finish", answer="\\boxed{4}"), "delay_s": 0.6}]}]})
-    with running_service(tmp_path / "service", ROLLOUT_RUN_CONCURRENCY="2") as service, \
-            service.client() as client:
+    tmp_path, scripted_server, tiny_tokenizer_dir
+):
+    url = scripted_server(
+        {
+            "episodes": [
+                {"match": "slots-test", "turns": [{"text": tool_call("finish", answer="\\boxed{4}"), "delay_s": 0.6}]}
+            ]
+        }
+    )
+    with running_service(tmp_path / "service", ROLLOUT_RUN_CONCURRENCY="2") as service, service.client() as client:
         backend = client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
         in_flight: list[int] = []
         stop = threading.Event()
@@ -78,8 +97,9 @@ def test_a_run_worker_runs_no_more_jobs_than_its_slots_however_many_a_message_ca
                     in_flight.append(next(b.live_assignments for b in watcher.backends() if b.id == backend.id))
 
         threading.Thread(target=watch, daemon=True).start()
-        group = client.submit({"domain": "math", "problem": "slots-test: 2 + 2?", "answer": "4"}, n=6,
-                              agent={"tools": ["finish"]})  # one message of six jobs through every stage
+        group = client.submit(
+            {"domain": "math", "problem": "slots-test: 2 + 2?", "answer": "4"}, n=6, agent={"tools": ["finish"]}
+        )  # one message of six jobs through every stage
         try:
             views = client.wait(group.job_ids, timeout_s=120)
         finally:
@@ -97,12 +117,33 @@ def test_bench_redis_steps_prices_each_step_of_a_job_on_a_fresh_redis() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "bench" / "scale.py"), "--redis-steps", "--rollouts", "40",
-                           "--turns", "3", "--json"], capture_output=True, text=True, timeout=120, cwd=root)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "scale.py"),
+            "--redis-steps",
+            "--rollouts",
+            "40",
+            "--turns",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = json.loads(done.stdout.strip().splitlines()[-1])["steps"]
-    assert list(steps) == ["submit", "run stage begin with the first call", "first call end", "2 later calls",
-                           "backend release", "stage end and its metrics", "trainer's wait"]
+    assert list(steps) == [
+        "submit",
+        "run stage begin with the first call",
+        "first call end",
+        "2 later calls",
+        "backend release",
+        "stage end and its metrics",
+        "trainer's wait",
+    ]
     assert all(step["usec_per_job"] > 0 for step in steps.values()), steps
     commands = {name: step["commands_per_job"] for name, step in steps.items()}
     assert commands["run stage begin with the first call"] == 17  # a script (15 commands inside) and an MGET

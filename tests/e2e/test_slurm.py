@@ -2,14 +2,15 @@
 its generated password, worker jobs (bwrap sandboxes) serve jobs submitted through the gateway,
 a cancelled worker job loses nothing once another starts, and a worker job told to stop finishes
 what it runs and hands back what it reserved."""
+
 from __future__ import annotations
 
 import json
 import stat
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -46,8 +47,13 @@ def workers(slurm: SlurmCluster, control: ControlJob) -> Iterator[Callable[..., 
     started: list[str] = []
 
     def start(*args: str, **env: str) -> str:
-        job_id = slurm.sbatch(SLURM_DIR / "workers.sbatch", "-N", "1", *(args or ("-c", "1")),
-                              **{**control.env, "ROLLOUT_SANDBOX": "bwrap", **env})
+        job_id = slurm.sbatch(
+            SLURM_DIR / "workers.sbatch",
+            "-N",
+            "1",
+            *(args or ("-c", "1")),
+            **{**control.env, "ROLLOUT_SANDBOX": "bwrap", **env},
+        )
         started.append(job_id)
         slurm.wait_state(job_id, {"RUNNING"}, 60)
         return job_id
@@ -60,16 +66,29 @@ def workers(slurm: SlurmCluster, control: ControlJob) -> Iterator[Callable[..., 
         assert not job_processes(job_id), f"worker job {job_id} left processes behind"
 
 
-def slow_math(client: RolloutClient, scripted_server: Callable[..., str], tokenizer: Path, turns: int,
-              delay_s: float, n: int) -> list[str]:
+def slow_math(
+    client: RolloutClient, scripted_server: Callable[..., str], tokenizer: Path, turns: int, delay_s: float, n: int
+) -> list[str]:
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
-    script = {"episodes": [{"match": problem, "turns": [
-        *[{"text": tool_call("ipython", code="print(2 + 2)"), "delay_s": delay_s}] * (turns - 1),
-        {"text": "\\boxed{4}\n" + tool_call("finish", answer="\\boxed{4}"), "delay_s": delay_s}]}]}
+    script = {
+        "episodes": [
+            {
+                "match": problem,
+                "turns": [
+                    *[{"text": tool_call("ipython", code="print(2 + 2)"), "delay_s": delay_s}] * (turns - 1),
+                    {"text": "\\boxed{4}\n" + tool_call("finish", answer="\\boxed{4}"), "delay_s": delay_s},
+                ],
+            }
+        ]
+    }
     model = f"scripted-{uuid.uuid4().hex[:6]}"
     client.add_backend(scripted_server(script), "vllm", model, tokenizer=str(tokenizer))
-    return client.submit({"domain": "math", "problem": problem, "answer": "4"}, n=n,
-                         sampling={"model": model}, agent={"tools": ["ipython", "finish"]}).job_ids
+    return client.submit(
+        {"domain": "math", "problem": problem, "answer": "4"},
+        n=n,
+        sampling={"model": model},
+        agent={"tools": ["ipython", "finish"]},
+    ).job_ids
 
 
 def wait_running(client: RolloutClient, job_ids: list[str], count: int, timeout_s: float = 60) -> None:
@@ -79,8 +98,9 @@ def wait_running(client: RolloutClient, job_ids: list[str], count: int, timeout_
         time.sleep(0.2)
 
 
-def assert_every_rollout_complete_and_whole(client: RolloutClient, job_ids: list[str], turns: int,
-                                            timeout_s: float) -> None:
+def assert_every_rollout_complete_and_whole(
+    client: RolloutClient, job_ids: list[str], turns: int, timeout_s: float
+) -> None:
     views = client.wait(job_ids, timeout_s=timeout_s)
     assert [v.status.value for v in views] == ["completed"] * len(job_ids), [v.error for v in views]
     for job_id in job_ids:
@@ -106,7 +126,8 @@ def test_the_control_jobs_redis_takes_only_its_generated_password(control: Contr
 
 
 def test_jobs_through_the_gateway_complete_on_a_worker_job_sized_from_slurm(
-        control, client, workers, scripted_server, tiny_tokenizer_dir):
+    control, client, workers, scripted_server, tiny_tokenizer_dir
+):
     job_id = workers("-c", "2")
     job_ids = slow_math(client, scripted_server, tiny_tokenizer_dir, turns=2, delay_s=0.0, n=3)
     assert_every_rollout_complete_and_whole(client, job_ids, turns=2, timeout_s=120)
@@ -124,7 +145,8 @@ def test_jobs_through_the_gateway_complete_on_a_worker_job_sized_from_slurm(
 
 
 def test_a_cancelled_worker_job_loses_nothing_once_another_starts(
-        slurm, control, client, workers, scripted_server, tiny_tokenizer_dir):
+    slurm, control, client, workers, scripted_server, tiny_tokenizer_dir
+):
     first = workers()
     job_ids = slow_math(client, scripted_server, tiny_tokenizer_dir, turns=4, delay_s=1.0, n=4)
     wait_running(client, job_ids, 2)
@@ -137,7 +159,8 @@ def test_a_cancelled_worker_job_loses_nothing_once_another_starts(
 
 
 def test_a_worker_job_told_to_stop_finishes_what_it_runs_and_hands_back_the_rest(
-        slurm, control, client, workers, scripted_server, tiny_tokenizer_dir):
+    slurm, control, client, workers, scripted_server, tiny_tokenizer_dir
+):
     lease = {"ROLLOUT_LEASE_TTL_S": "600"}  # recovery would wait 10 minutes: only a hand-back can be seen
     first = workers(**lease, ROLLOUT_RUN_CONCURRENCY="2", ROLLOUT_STAGE_BATCH_MAX_JOBS="1")
     job_ids = slow_math(client, scripted_server, tiny_tokenizer_dir, turns=3, delay_s=1.0, n=6)

@@ -1,4 +1,5 @@
 """The GRPO example's loss reads trajectories as served: on-policy, its importance ratio is 1."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollout_service.runtime.inference import make_client
-from rollout_service.schemas import Sampling, Trajectory
 from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer
+from rollout_service.schemas import Sampling, Trajectory
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_grpo.py"
 
@@ -22,7 +23,8 @@ def train_grpo():
 
 
 def test_the_trainers_logprobs_of_served_tokens_equal_the_servers_so_the_ratio_starts_at_one(
-        train_grpo, model_server, tiny_model_dir):
+    train_grpo, model_server, tiny_model_dir
+):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -31,8 +33,14 @@ def test_the_trainers_logprobs_of_served_tokens_equal_the_servers_so_the_ratio_s
     for question, seed in [("2 + 2 =", 1), ("Write a poem about the sea and the sky.", 2)]:
         prompt = renderer.initial_prompt([{"role": "user", "content": question}], [])
         served = make_client("vllm", model_server, "tiny").generate(prompt, Sampling(seed=seed), 12, 30)
-        trajectories.append(Trajectory(prompt_ids=prompt, response_ids=served.token_ids, logprobs=served.logprobs,
-                                       loss_mask=[1] * len(served.token_ids)))
+        trajectories.append(
+            Trajectory(
+                prompt_ids=prompt,
+                response_ids=served.token_ids,
+                logprobs=served.logprobs,
+                loss_mask=[1] * len(served.token_ids),
+            )
+        )
     assert len({len(t.prompt_ids) + len(t.response_ids) for t in trajectories}) == 2  # padding is exercised
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():

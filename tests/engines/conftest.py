@@ -1,8 +1,9 @@
 """A real vLLM (its CPU build, from `make vllm`) serving SmolLM2-135M-Instruct, started once per session."""
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -23,8 +24,13 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_engine(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[VLLMServer]:
     """One vLLM server for the session (model name ``smollm2``); its log is in the session's tmp dir."""
     venv = Path(get_settings().vllm_venv)
-    server = VLLMServer(venv if venv.is_absolute() else REPO / venv, smollm2_dir, "smollm2", free_port(),
-                        tmp_path_factory.mktemp("vllm") / "vllm.log").start()
+    server = VLLMServer(
+        venv if venv.is_absolute() else REPO / venv,
+        smollm2_dir,
+        "smollm2",
+        free_port(),
+        tmp_path_factory.mktemp("vllm") / "vllm.log",
+    ).start()
     yield server
     server.stop()
 
@@ -44,6 +50,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     engine = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
     for item in engine:
         item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S))
-    engine.sort(key=lambda item: (item.get_closest_marker("own_engine") is not None,
-                                  item.get_closest_marker("kills_the_engine") is not None))
+    engine.sort(
+        key=lambda item: (
+            item.get_closest_marker("own_engine") is not None,
+            item.get_closest_marker("kills_the_engine") is not None,
+        )
+    )
     items[:] = [item for item in items if item not in engine] + engine

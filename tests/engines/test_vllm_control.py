@@ -1,5 +1,6 @@
 """The service as the control plane of a real vLLM: pause (keep, wait) and resume reach the engine,
 update_weights reloads it from disk, and a call frozen across a weight sync records both versions."""
+
 from __future__ import annotations
 
 import shutil
@@ -21,16 +22,20 @@ def is_paused(engine: VLLMServer) -> bool:
 
 
 def prompt_logprobs(engine: VLLMServer) -> list[float]:
-    answer = httpx.post(f"{engine.url}/v1/completions", timeout=120, json={
-        "model": engine.model, "prompt": PROMPT_IDS, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0})
+    answer = httpx.post(
+        f"{engine.url}/v1/completions",
+        timeout=120,
+        json={"model": engine.model, "prompt": PROMPT_IDS, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0},
+    )
     answer.raise_for_status()
     return [next(iter(entry.values()))["logprob"] for entry in answer.json()["choices"][0]["prompt_logprobs"][1:]]
 
 
 def running_requests(engine: VLLMServer) -> float:
     metrics = httpx.get(f"{engine.url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("vllm:num_requests_running"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")
+    )
 
 
 def wait_running(engine: VLLMServer, timeout_s: float = 300.0) -> None:
@@ -75,12 +80,15 @@ def test_pause_keep_and_wait_reach_vllm_and_resume_clears_them(client, vllm_engi
 
 
 def test_update_weights_changes_the_served_policy_and_a_frozen_call_records_both_versions(
-        client, vllm_engine: VLLMServer, smollm2_dir: Path, perturbed_dir: Path, registered, tmp_path: Path):
+    client, vllm_engine: VLLMServer, smollm2_dir: Path, perturbed_dir: Path, registered, tmp_path: Path
+):
     original = prompt_logprobs(vllm_engine)
     sampling = {"model": vllm_engine.model, "max_new_tokens": 400, "temperature": 1.0, "seed": 7}
-    long_job = client.submit(math_task("Write a very long story about a dragon who learns to add numbers. "
-                                       "Then answer: what is 2 + 2?"), sampling=sampling,
-                             agent={"max_turns": 1, "tools": ["finish"]}).job_ids[0]
+    long_job = client.submit(
+        math_task("Write a very long story about a dragon who learns to add numbers. Then answer: what is 2 + 2?"),
+        sampling=sampling,
+        agent={"max_turns": 1, "tools": ["finish"]},
+    ).job_ids[0]
     wait_running(vllm_engine)
     frozen = client.pause(mode="keep", ttl_s=300)
     assert frozen["inflight_calls"] >= 1 and is_paused(vllm_engine), frozen
@@ -99,11 +107,15 @@ def test_update_weights_changes_the_served_policy_and_a_frozen_call_records_both
     assert view.status.value == "completed", view.error
     turn = client.trajectory(long_job).turns[0]
     assert (turn.policy_version, turn.resumed_under) == (before, before + 1)
-    later = client.submit(math_task("What is 2 + 2? Answer in \\boxed{}."), sampling={**sampling, "max_new_tokens": 16},
-                          agent={"max_turns": 1, "tools": ["finish"]}).job_ids[0]
+    later = client.submit(
+        math_task("What is 2 + 2? Answer in \\boxed{}."),
+        sampling={**sampling, "max_new_tokens": 16},
+        agent={"max_turns": 1, "tools": ["finish"]},
+    ).job_ids[0]
     assert client.wait([later], timeout_s=300)[0].status.value == "completed"
     assert [(t.policy_version, t.resumed_under) for t in client.trajectory(later).turns if t.kind == "generation"] == [
-        (before + 1, None)]
+        (before + 1, None)
+    ]
 
     restored = client.update_weights(str(smollm2_dir), model=vllm_engine.model)
     assert restored["policy_version"] == before + 2
@@ -111,11 +123,19 @@ def test_update_weights_changes_the_served_policy_and_a_frozen_call_records_both
 
 
 def test_a_call_an_abort_pause_dropped_is_made_again_after_resume_and_its_job_completes(
-        client, vllm_engine: VLLMServer, registered):
-    sampling = {"model": vllm_engine.model, "max_new_tokens": 300, "min_tokens": 300, "ignore_eos": True,
-                "temperature": 1.0, "seed": 11}
-    job_id = client.submit(math_task("Count to one thousand, slowly."), sampling=sampling,
-                           agent={"max_turns": 1, "tools": ["finish"]}).job_ids[0]
+    client, vllm_engine: VLLMServer, registered
+):
+    sampling = {
+        "model": vllm_engine.model,
+        "max_new_tokens": 300,
+        "min_tokens": 300,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 11,
+    }
+    job_id = client.submit(
+        math_task("Count to one thousand, slowly."), sampling=sampling, agent={"max_turns": 1, "tools": ["finish"]}
+    ).job_ids[0]
     wait_running(vllm_engine)
     dropped = client.pause(mode="abort", ttl_s=120)
     assert [e["ok"] for e in dropped["engines"]] == [True], dropped

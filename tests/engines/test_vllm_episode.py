@@ -1,5 +1,6 @@
 """Multi-turn episodes on a real vLLM: every turn of the built-in agent and of a harness records
 exactly what vLLM computes for its tokens, and an engine killed mid-episode ends the job as data."""
+
 from __future__ import annotations
 
 import math
@@ -23,10 +24,13 @@ TOOL_CALLING_AGENT = {"tools": ["finish"], "tool_parser": "hermes"}  # an unclos
 
 def tool_calling_task(problem: str, answer: str) -> dict:
     example = '{"name": "finish", "arguments": {"answer": "42"}}'
-    return {**math_task(problem, answer), "system_prompt": f"{problem}\nAlways reply with a tool call, like this:\n"
-            f"<tool_call>\n{example}\n</tool_call>"}
+    return {
+        **math_task(problem, answer),
+        "system_prompt": f"{problem}\nAlways reply with a tool call, like this:\n<tool_call>\n{example}\n</tool_call>",
+    }
 
-TWO_CALL_HARNESS = r'''
+
+TWO_CALL_HARNESS = r"""
 import json, os, urllib.request
 
 def chat(messages):
@@ -43,30 +47,39 @@ messages = [{"role": "user", "content": "Say hello."}]
 chat(messages)
 with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
     f.write("done")
-'''
+"""
 
 
 def rescored(engine: VLLMServer, prompt_ids: list[int], generated: list[int]) -> list[float]:
     """vLLM's own logprobs of ``generated`` after ``prompt_ids`` (``prompt_logprobs``, temperature 1)."""
-    answer = httpx.post(f"{engine.url}/v1/completions", timeout=300, json={
-        "model": engine.model, "prompt": prompt_ids + generated, "max_tokens": 1, "prompt_logprobs": 0,
-        "temperature": 1.0}).json()["choices"][0]["prompt_logprobs"]
-    return [next(iter(entry.values()))["logprob"] for entry in answer[len(prompt_ids):]]
+    answer = httpx.post(
+        f"{engine.url}/v1/completions",
+        timeout=300,
+        json={
+            "model": engine.model,
+            "prompt": prompt_ids + generated,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        },
+    ).json()["choices"][0]["prompt_logprobs"]
+    return [next(iter(entry.values()))["logprob"] for entry in answer[len(prompt_ids) :]]
 
 
 def assert_every_generation_is_vllms_own(engine: VLLMServer, segment: Segment) -> int:
     generations = [turn for turn in segment.turns if turn.kind == "generation"]
     assert generations
     for turn in generations:
-        assert all(segment.loss_mask[turn.start:turn.end])
-        expected = rescored(engine, segment.prompt_ids + segment.response_ids[:turn.start],
-                            segment.response_ids[turn.start:turn.end])
-        recorded = segment.logprobs[turn.start:turn.end]
+        assert all(segment.loss_mask[turn.start : turn.end])
+        expected = rescored(
+            engine, segment.prompt_ids + segment.response_ids[: turn.start], segment.response_ids[turn.start : turn.end]
+        )
+        recorded = segment.logprobs[turn.start : turn.end]
         assert len(recorded) == len(expected) > 0
         assert all(math.isclose(a, b, abs_tol=2e-3) for a, b in zip(recorded, expected)), (recorded, expected)
     for turn in segment.turns:
         if turn.kind == "observation":
-            assert not any(segment.loss_mask[turn.start:turn.end])
+            assert not any(segment.loss_mask[turn.start : turn.end])
     return len(generations)
 
 
@@ -77,10 +90,12 @@ def registered(client, vllm_engine: VLLMServer, smollm2_dir):
     client.remove_backend(backend.id)
 
 
-def test_every_turn_of_a_multi_turn_agent_episode_is_vllms_own_computation(client, vllm_engine: VLLMServer,
-                                                                          registered):
-    job_ids = client.submit(tool_calling_task("What is 17 * 23?", "391"), sampling={
-        "model": "smollm2", "max_new_tokens": 32, **FORCED_TOOL_CALLS}, agent={"max_turns": 3, **TOOL_CALLING_AGENT}).job_ids
+def test_every_turn_of_a_multi_turn_agent_episode_is_vllms_own_computation(client, vllm_engine: VLLMServer, registered):
+    job_ids = client.submit(
+        tool_calling_task("What is 17 * 23?", "391"),
+        sampling={"model": "smollm2", "max_new_tokens": 32, **FORCED_TOOL_CALLS},
+        agent={"max_turns": 3, **TOOL_CALLING_AGENT},
+    ).job_ids
     views = client.wait(job_ids, timeout_s=600)
     assert all(v.status.value == "completed" for v in views), [(v.status, v.error) for v in views]
     for job_id in job_ids:
@@ -90,9 +105,11 @@ def test_every_turn_of_a_multi_turn_agent_episode_is_vllms_own_computation(clien
 
 
 def test_every_segment_of_a_harness_episode_is_vllms_own_computation(client, vllm_engine: VLLMServer, registered):
-    job_id = client.submit(math_task("Name a prime."), sampling={"model": "smollm2", "max_new_tokens": 16,
-                                                                  "temperature": 1.0},
-                           agent={"harness": {"command": ["python", "-c", TWO_CALL_HARNESS]}}).job_ids[0]
+    job_id = client.submit(
+        math_task("Name a prime."),
+        sampling={"model": "smollm2", "max_new_tokens": 16, "temperature": 1.0},
+        agent={"harness": {"command": ["python", "-c", TWO_CALL_HARNESS]}},
+    ).job_ids[0]
     view = client.wait([job_id], timeout_s=600)[0]
     assert view.status.value == "completed", (view.status, view.error)
     trajectory = client.trajectory(job_id)
@@ -106,7 +123,7 @@ def _finished_requests(engine: VLLMServer) -> float:
     return sum(float(value) for value in re.findall(r"^vllm:request_success_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
-ENDLESS_HARNESS = r'''
+ENDLESS_HARNESS = r"""
 import json, os, urllib.request
 
 messages = [{"role": "user", "content": "Count to one hundred."}]
@@ -116,16 +133,19 @@ while True:
         "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
     messages.append(json.load(urllib.request.urlopen(request, timeout=300))["choices"][0]["message"])
     messages.append({"role": "user", "content": "Go on."})
-'''
+"""
 
 
 @pytest.mark.kills_the_engine
 def test_an_engine_killed_mid_episode_ends_the_job_failed_with_its_partial_trajectory(
-        service, client, vllm_engine: VLLMServer, registered):
+    service, client, vllm_engine: VLLMServer, registered
+):
     before = _finished_requests(vllm_engine)
-    job_id = client.submit(math_task("Count to one hundred."), sampling={
-        "model": "smollm2", "max_new_tokens": 48, "min_tokens": 48, "ignore_eos": True, "temperature": 1.0},
-        agent={"max_turns": 50, "harness": {"command": ["python", "-c", ENDLESS_HARNESS]}}).job_ids[0]
+    job_id = client.submit(
+        math_task("Count to one hundred."),
+        sampling={"model": "smollm2", "max_new_tokens": 48, "min_tokens": 48, "ignore_eos": True, "temperature": 1.0},
+        agent={"max_turns": 50, "harness": {"command": ["python", "-c", ENDLESS_HARNESS]}},
+    ).job_ids[0]
     deadline = time.monotonic() + 300
     while _finished_requests(vllm_engine) < before + 2:  # two calls done: the episode is in its third turn
         assert time.monotonic() < deadline, "the episode made no progress on vLLM"

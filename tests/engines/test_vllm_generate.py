@@ -1,5 +1,6 @@
 """vLLM's token route (/inference/v1/generate) and the sampling parameters, on a real vLLM: what the
 service records is what vLLM computes, and each parameter the trainer sets takes effect."""
+
 from __future__ import annotations
 
 import math
@@ -7,9 +8,9 @@ import math
 import httpx
 import pytest
 
-from rollout_service.runtime import inference
 from rollout_service.devtools.engines import VLLMServer
 from rollout_service.errors import ApiError
+from rollout_service.runtime import inference
 from rollout_service.runtime.inference import ReferenceClient, VLLMClient
 from rollout_service.schemas import Sampling
 from rollout_service.state.store import JobStore, unpack
@@ -22,11 +23,21 @@ TOLERANCE = 1e-4  # float32 on both sides: the same kernels, batched differently
 
 def rescored(engine: VLLMServer, prompt_ids: list[int], generated: list[int]) -> list[float]:
     """vLLM's own logprob of each generated token, scoring prompt + generation as a prompt."""
-    answer = httpx.post(f"{engine.url}/v1/completions", timeout=120, json={
-        "model": engine.model, "prompt": prompt_ids + generated, "max_tokens": 1, "prompt_logprobs": 0,
-        "temperature": 1.0}).json()
-    return [entry[str(token)]["logprob"] for entry, token in
-            zip(answer["choices"][0]["prompt_logprobs"][len(prompt_ids):], generated)]
+    answer = httpx.post(
+        f"{engine.url}/v1/completions",
+        timeout=120,
+        json={
+            "model": engine.model,
+            "prompt": prompt_ids + generated,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        },
+    ).json()
+    return [
+        entry[str(token)]["logprob"]
+        for entry, token in zip(answer["choices"][0]["prompt_logprobs"][len(prompt_ids) :], generated)
+    ]
 
 
 def assert_close(recorded: list[float], expected: list[float]) -> None:
@@ -58,26 +69,37 @@ def test_min_tokens_holds_the_eos_back_and_ignore_eos_generates_past_it(vllm_eng
 
 def test_a_logit_bias_of_100_makes_its_token_generated(vllm_engine: VLLMServer):
     generation = VLLMClient(vllm_engine.url, vllm_engine.model).generate(
-        PROMPT, Sampling(logit_bias={"28": 100.0}, ignore_eos=True), 6, 120)
+        PROMPT, Sampling(logit_bias={"28": 100.0}, ignore_eos=True), 6, 120
+    )
     assert generation.token_ids == [28] * 6
 
 
 def test_a_jobs_sampling_reaches_vllm_is_recorded_with_the_job_and_its_logprobs_are_vllms(
-        service, client, vllm_engine: VLLMServer, smollm2_dir):
+    service, client, vllm_engine: VLLMServer, smollm2_dir
+):
     backend = client.add_backend(vllm_engine.url, "vllm", vllm_engine.model, tokenizer=str(smollm2_dir))
-    sampling = {"model": vllm_engine.model, "max_new_tokens": 10, "min_tokens": 10, "ignore_eos": True,
-                "logit_bias": {"28": 100.0}, "repetition_penalty": 1.2, "frequency_penalty": 0.5,
-                "presence_penalty": 0.25, "min_p": 0.01, "temperature": 1.0}
+    sampling = {
+        "model": vllm_engine.model,
+        "max_new_tokens": 10,
+        "min_tokens": 10,
+        "ignore_eos": True,
+        "logit_bias": {"28": 100.0},
+        "repetition_penalty": 1.2,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.25,
+        "min_p": 0.01,
+        "temperature": 1.0,
+    }
     try:
-        job_id, = client.submit(math_task("What is 2 + 2?"), sampling=sampling, agent={"max_turns": 1}).job_ids
-        view, = client.wait([job_id], timeout_s=300)
+        (job_id,) = client.submit(math_task("What is 2 + 2?"), sampling=sampling, agent={"max_turns": 1}).job_ids
+        (view,) = client.wait([job_id], timeout_s=300)
         assert view.status.value == "completed", (view.status, view.error)
         trajectory = client.trajectory(job_id)
         first = trajectory.turns[0]
-        generated = trajectory.response_ids[first.start:first.end]
+        generated = trajectory.response_ids[first.start : first.end]
         assert generated == [28] * 10
         expected = rescored(vllm_engine, trajectory.prompt_ids, generated)
-        assert_close(trajectory.logprobs[first.start:first.end], expected)
+        assert_close(trajectory.logprobs[first.start : first.end], expected)
         stored = unpack(service.redis().get(JobStore.key(job_id, "request")))["sampling"]
         assert {key: stored[key] for key in sampling} == sampling
         with pytest.raises(ApiError, match=r"sampling\.min_p: must be in \[0, 1\], got 2"):

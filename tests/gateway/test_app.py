@@ -1,4 +1,5 @@
 """The gateway answers bad input with a 4xx that names the problem, and describes itself."""
+
 from __future__ import annotations
 
 import re
@@ -29,18 +30,27 @@ class RecordingEnqueuer:
         return self.served
 
 
-@pytest.mark.parametrize("body, status, fragment", [
-    ({}, 400, "task"),
-    ({"task": {"problem": "1+1"}}, 400, "domain"),
-    ({"task": {"domain": "chemistry"}}, 400, "valid: code, math, stem, swe"),
-    ({"task": {"domain": "math", "answer": "2"}}, 400, "task.problem"),
-    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": "two"}, 400, "n"),
-    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": 0}, 400, "n"),
-    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "sampling": {"temprature": 1}}, 400,
-     "sampling.temprature"),
-    ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "timeouts": {"job_s": -1}}, 400,
-     "timeouts.job_s"),
-])
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({}, 400, "task"),
+        ({"task": {"problem": "1+1"}}, 400, "domain"),
+        ({"task": {"domain": "chemistry"}}, 400, "valid: code, math, stem, swe"),
+        ({"task": {"domain": "math", "answer": "2"}}, 400, "task.problem"),
+        ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": "two"}, 400, "n"),
+        ({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "n": 0}, 400, "n"),
+        (
+            {"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "sampling": {"temprature": 1}},
+            400,
+            "sampling.temprature",
+        ),
+        (
+            {"task": {"domain": "math", "problem": "1+1", "answer": "2"}, "timeouts": {"job_s": -1}},
+            400,
+            "timeouts.job_s",
+        ),
+    ],
+)
 def test_a_malformed_job_is_a_400_naming_the_problem(service, body, status, fragment):
     response = httpx.post(f"{service.url}/v1/jobs", json=body)
     assert response.status_code == status
@@ -48,8 +58,7 @@ def test_a_malformed_job_is_a_400_naming_the_problem(service, body, status, frag
 
 
 def test_a_body_that_is_not_json_is_a_400(service):
-    response = httpx.post(f"{service.url}/v1/jobs", content=b"{not json",
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(f"{service.url}/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
     assert response.status_code == 400
     assert "not valid JSON" in response.json()["error"]["message"]
 
@@ -62,8 +71,7 @@ def test_unknown_jobs_and_routes_are_json_404s(service):
 
 
 def test_a_backend_with_a_bad_kind_is_refused(service):
-    response = httpx.post(f"{service.url}/v1/backends",
-                          json={"url": "http://127.0.0.1:1", "kind": "tgi", "model": "m"})
+    response = httpx.post(f"{service.url}/v1/backends", json={"url": "http://127.0.0.1:1", "kind": "tgi", "model": "m"})
     assert response.status_code == 400
     assert "kind" in response.json()["error"]["message"]
 
@@ -78,8 +86,12 @@ def test_openapi_describes_every_flask_route_and_nothing_else(service, redis_url
     from rollout_service.settings import Settings
 
     app = create_app(Settings(redis_url=redis_url, api_token="s3cret"), enqueue=RecordingEnqueuer())
-    served = {(m.lower(), re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule))
-              for rule in app.url_map.iter_rules() if not rule.redirect_to for m in rule.methods - {"HEAD", "OPTIONS"}}
+    served = {
+        (m.lower(), re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule))
+        for rule in app.url_map.iter_rules()
+        if not rule.redirect_to
+        for m in rule.methods - {"HEAD", "OPTIONS"}
+    }
     spec = app.test_client().get("/openapi.json").json
     described = {(method, path) for path, ops in spec["paths"].items() for method in ops}
     assert served == described
@@ -147,14 +159,18 @@ def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redi
     from rollout_service.gateway.app import create_app
     from rollout_service.schemas import JobRequest
     from rollout_service.settings import Settings
-    from rollout_service.state.store import JobStore, redis_client as service_client
+    from rollout_service.state.store import JobStore
+    from rollout_service.state.store import redis_client as service_client
 
     settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.3, redis_retries=6)
     job_ids, _ = JobStore(service_client(settings), settings).create_jobs(
-        JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"}))
+        JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"})
+    )
     web = create_app(settings, enqueue=RecordingEnqueuer()).test_client()
     assert web.get(f"/v1/jobs/{job_ids[0]}").status_code == 200
-    stall = threading.Thread(target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "1000", "ALL"))
+    stall = threading.Thread(
+        target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "1000", "ALL")
+    )
     stall.start()
     time.sleep(0.1)
     started = time.monotonic()
@@ -165,7 +181,9 @@ def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redi
 
     settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.2, redis_retries=1)
     web = create_app(settings, enqueue=RecordingEnqueuer()).test_client()
-    stall = threading.Thread(target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "2000", "ALL"))
+    stall = threading.Thread(
+        target=lambda: redis.Redis.from_url(redis_url).execute_command("CLIENT", "PAUSE", "2000", "ALL")
+    )
     stall.start()
     time.sleep(0.1)
     response = web.get(f"/v1/jobs/{job_ids[0]}")
@@ -176,8 +194,11 @@ def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redi
 
 
 def test_a_json_body_sent_without_content_type_is_accepted_like_curl_d_sends_it(service):
-    response = httpx.post(f"{service.url}/v1/jobs", content=b'{"task": {"domain": "math"}}',
-                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+    response = httpx.post(
+        f"{service.url}/v1/jobs",
+        content=b'{"task": {"domain": "math"}}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert response.status_code == 400
     assert "task.problem" in response.json()["error"]["message"]
 
@@ -188,12 +209,32 @@ def test_a_query_parameter_that_is_not_seconds_is_a_400(service):
     assert httpx.get(f"{service.url}/v1/backends").json()["paused"] is False
 
 
-JUNK_BODIES = [b"", b"null", b"[]", b"42", b'"text"', b"{}", b'{"task": null}', b'{"task": []}',
-               b'{"task": {"domain": 7}}', b'{"tasks": "x", "group_size": -1}', b'{"url": 5, "kind": null}',
-               b'{"task": {"domain": "math", "problem": "p", "answer": "1"}, "n": 1e300}',
-               b'{"task": {"domain": "code"}, "submission": []}', b"\xff\xfe", b'{"policy_version": "new"}']
-POST_ROUTES = ["/v1/jobs", "/v1/score", "/v1/batches", "/v1/backends", "/v1/backends/resume",
-               "/v1/jobs/job-nope/cancel", "/v1/batches/batch-nope/cancel"]
+JUNK_BODIES = [
+    b"",
+    b"null",
+    b"[]",
+    b"42",
+    b'"text"',
+    b"{}",
+    b'{"task": null}',
+    b'{"task": []}',
+    b'{"task": {"domain": 7}}',
+    b'{"tasks": "x", "group_size": -1}',
+    b'{"url": 5, "kind": null}',
+    b'{"task": {"domain": "math", "problem": "p", "answer": "1"}, "n": 1e300}',
+    b'{"task": {"domain": "code"}, "submission": []}',
+    b"\xff\xfe",
+    b'{"policy_version": "new"}',
+]
+POST_ROUTES = [
+    "/v1/jobs",
+    "/v1/score",
+    "/v1/batches",
+    "/v1/backends",
+    "/v1/backends/resume",
+    "/v1/jobs/job-nope/cancel",
+    "/v1/batches/batch-nope/cancel",
+]
 
 
 def test_no_route_answers_malformed_input_with_a_500(service):
@@ -204,8 +245,13 @@ def test_no_route_answers_malformed_input_with_a_500(service):
             response = httpx.post(f"{service.url}{route}", content=junk, headers={"Content-Type": "application/json"})
             assert 400 <= response.status_code < 500, (route, junk, response.status_code, response.text[:300])
             assert response.json()["error"]["message"]
-    for route in ["/v1/jobs/%00", "/v1/jobs/x/trajectory", "/v1/batches/x", "/v1/batches/x/groups?after=-1",
-                  "/v1/batches/x/groups?wait=nan"]:
+    for route in [
+        "/v1/jobs/%00",
+        "/v1/jobs/x/trajectory",
+        "/v1/batches/x",
+        "/v1/batches/x/groups?after=-1",
+        "/v1/batches/x/groups?wait=nan",
+    ]:
         response = httpx.get(f"{service.url}{route}")
         assert 400 <= response.status_code < 500, (route, response.status_code, response.text[:300])
 
@@ -265,8 +311,7 @@ def test_a_task_or_metadata_nested_600_deep_is_a_400_naming_the_field(service, f
 
 
 def test_metadata_nested_within_the_limit_is_accepted(service):
-    response = httpx.post(f"{service.url}/v1/jobs", json={"task": MATH_TASK, "metadata": {"x": nested(60)},
-                                                          "n": 1})
+    response = httpx.post(f"{service.url}/v1/jobs", json={"task": MATH_TASK, "metadata": {"x": nested(60)}, "n": 1})
     assert response.status_code == 202, response.text
     for job_id in response.json()["job_ids"]:
         httpx.post(f"{service.url}/v1/jobs/{job_id}/cancel")
@@ -283,9 +328,14 @@ def test_msgpack_nested_100k_deep_is_a_400_that_says_so(service):
     assert response.status_code == 400 and "metadata.a.a" in error_of(response)
 
 
-@pytest.mark.parametrize("value, fragment", [
-    ({"blob": b"\x00\x01"}, "metadata.blob: bytes"), ({7: "x"}, "metadata: the key 7"),
-    ({"x": float("nan")}, "metadata.x: nan")])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ({"blob": b"\x00\x01"}, "metadata.blob: bytes"),
+        ({7: "x"}, "metadata: the key 7"),
+        ({"x": float("nan")}, "metadata.x: nan"),
+    ],
+)
 def test_msgpack_values_json_cannot_carry_are_a_400_naming_the_field(service, value, fragment):
     import msgpack
 
@@ -308,8 +358,12 @@ def test_an_id_with_a_colon_is_a_4xx_naming_the_id_not_a_redis_error(service):
     jobs = JobStore(service.redis(), Settings.from_env(service.env))
     (job_id,), group_id = jobs.create_jobs(JobRequest(task=MATH_TASK))
     jobs.cancel(job_id)
-    for route in (f"/v1/jobs/{job_id}:request", f"/v1/jobs/{job_id}:request/trajectory",
-                  f"/v1/batches/{job_id}:request", f"/v1/batches/{job_id}:request/groups"):
+    for route in (
+        f"/v1/jobs/{job_id}:request",
+        f"/v1/jobs/{job_id}:request/trajectory",
+        f"/v1/batches/{job_id}:request",
+        f"/v1/batches/{job_id}:request/groups",
+    ):
         assert f"{job_id}:request" in error_of(httpx.get(f"{service.url}{route}")), route
     assert "job_id" in error_of(httpx.post(f"{service.url}/v1/jobs/{job_id}:request/cancel"))
     assert "backend_id" in error_of(httpx.delete(f"{service.url}/v1/backends/be-1:calls"))
@@ -321,14 +375,13 @@ def test_an_id_with_a_colon_is_a_4xx_naming_the_id_not_a_redis_error(service):
         assert response.status_code == 400 and name in error_of(response)
 
 
-
 # -- resource limits (issue 25, item 9) ----------------------------------------------------
 def test_a_body_over_the_request_size_limit_is_a_413_naming_the_setting(redis_url):
     from rollout_service.gateway.app import create_app
     from rollout_service.settings import Settings
 
     web = create_app(Settings(redis_url=redis_url, max_request_mb=1), enqueue=RecordingEnqueuer()).test_client()
-    body = b'{"task": {"domain": "math", "problem": "' + b"x" * 2 ** 20 + b'", "answer": "2"}}'
+    body = b'{"task": {"domain": "math", "problem": "' + b"x" * 2**20 + b'", "answer": "2"}}'
     response = web.post("/v1/jobs", data=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "ROLLOUT_MAX_REQUEST_MB" in response.json["error"]["message"]
 
@@ -348,8 +401,9 @@ def test_a_bulk_request_asking_for_more_rollouts_than_the_cap_is_a_400_naming_th
 
 
 def test_a_batch_asking_for_more_rollouts_than_the_cap_is_a_400_naming_the_field(service):
-    response = httpx.post(f"{service.url}/v1/batches", json={"tasks": [MATH_TASK] * 100, "group_size": 1024,
-                                                             "target_groups": 100})
+    response = httpx.post(
+        f"{service.url}/v1/batches", json={"tasks": [MATH_TASK] * 100, "group_size": 1024, "target_groups": 100}
+    )
     assert response.status_code == 400 and "target_groups" in error_of(response)
     assert "ROLLOUT_MAX_ROLLOUTS_PER_REQUEST" in error_of(response)
 
@@ -360,13 +414,16 @@ def test_a_batch_groups_wait_beyond_60_s_is_a_400_naming_wait(service):
 
 
 # -- the OpenAPI document and validation agree (issue 25, also) ----------------------------
-@pytest.mark.parametrize("body, fragment", [
-    ({"task": MATH_TASK, "max_policy_lag": False}, "max_policy_lag"),
-    ({"task": MATH_TASK, "timeouts": {"job_s": "10"}}, "timeouts.job_s"),
-    ({"task": MATH_TASK, "timeouts": {"job_s": 1e-300}}, "timeouts.job_s"),
-    ({"task": MATH_TASK, "n": True}, "n"),
-    ({"task": MATH_TASK, "sampling": {"temperature": "0.5"}}, "sampling.temperature"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"task": MATH_TASK, "max_policy_lag": False}, "max_policy_lag"),
+        ({"task": MATH_TASK, "timeouts": {"job_s": "10"}}, "timeouts.job_s"),
+        ({"task": MATH_TASK, "timeouts": {"job_s": 1e-300}}, "timeouts.job_s"),
+        ({"task": MATH_TASK, "n": True}, "n"),
+        ({"task": MATH_TASK, "sampling": {"temperature": "0.5"}}, "sampling.temperature"),
+    ],
+)
 def test_a_value_of_the_wrong_json_type_is_a_400_not_coerced(service, body, fragment):
     response = httpx.post(f"{service.url}/v1/jobs", json=body)
     assert response.status_code == 400 and fragment in error_of(response)
@@ -406,6 +463,7 @@ def test_a_405_says_which_methods_are_allowed(service):
 def test_options_advertises_only_the_methods_a_route_serves(service):
     def allowed(path: str) -> set[str]:
         return set(httpx.options(f"{service.url}{path}").headers["Allow"].split(", "))
+
     assert allowed("/v1/jobs/wait") == allowed("/v1/backends/pause") == {"OPTIONS", "POST"}
     assert httpx.get(f"{service.url}/v1/jobs/wait").status_code == 405
 

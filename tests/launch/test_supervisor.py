@@ -1,4 +1,5 @@
 """The supervisor behind `rollout-service up`: a dead piece is restarted, not an outage; a stop goes in order."""
+
 from __future__ import annotations
 
 import io
@@ -21,15 +22,20 @@ def watch_until(supervisor: Supervisor, condition, what: str, timeout_s: float =
     def watched() -> bool:
         supervisor.watch()
         return condition()
+
     wait_for(watched, timeout_s, what)
 
 
 def test_a_killed_piece_is_restarted_with_what_it_left_behind_killed_and_the_restart_is_reported(tmp_path: Path):
     report = io.StringIO()
     supervisor = Supervisor(tmp_path / "logs", dict(os.environ), report=report)
-    spawner = [sys.executable, "-c", "import subprocess, sys, time; "
-               "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']).pid, flush=True); "
-               "time.sleep(600)"]
+    spawner = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; "
+        "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']).pid, flush=True); "
+        "time.sleep(600)",
+    ]
     worker = supervisor.start("worker-run-1", spawner)
     other = supervisor.start("worker-eval", SLEEPER)
     try:
@@ -52,8 +58,11 @@ def test_a_piece_that_keeps_dying_waits_longer_before_each_restart(tmp_path: Pat
     crasher = supervisor.start("flower", [sys.executable, "-c", "raise SystemExit(3)"], stop_rank=SERVICES)
     try:
         watch_until(supervisor, lambda: crasher.restarts >= 3, "three restarts")
-        delays = [line.split("restarting it in ")[1].split(" s")[0] for line in report.getvalue().splitlines()
-                  if "restarting it in" in line]
+        delays = [
+            line.split("restarting it in ")[1].split(" s")[0]
+            for line in report.getvalue().splitlines()
+            if "restarting it in" in line
+        ]
         assert delays[:3] == ["0.5", "1.0", "2.0"]
         assert set(crasher.exit_codes) == {3}
     finally:
@@ -63,8 +72,9 @@ def test_a_piece_that_keeps_dying_waits_longer_before_each_restart(tmp_path: Pat
 def test_a_killed_redis_comes_back_on_its_port_with_its_data(tmp_path: Path):
     server = RedisServer(tmp_path / "redis").start()
     supervisor = Supervisor(tmp_path / "logs", dict(os.environ), report=io.StringIO())
-    child = supervisor.adopt("redis", server.process, list(server.process.args), STORE,
-                             launch=server.launch, ready=server.wait_ready)
+    child = supervisor.adopt(
+        "redis", server.process, list(server.process.args), STORE, launch=server.launch, ready=server.wait_ready
+    )
     client = redis.Redis.from_url(server.url)
     try:
         client.set("accepted", "kept")
@@ -82,14 +92,22 @@ def test_stop_ends_intake_first_then_workers_then_services_then_the_store(tmp_pa
     records = tmp_path / "order"
     ranks = {"redis": STORE, "reference": SERVICES, "worker-run": WORKERS, "gateway": INTAKE}
     for name, rank in ranks.items():  # started in the opposite order: the stop must not follow the start
-        supervisor.start(name, [sys.executable, "-c",
-                                "import signal, sys, time\n"
-                                f"def stop(*_):\n    open({str(records)!r}, 'a').write({name!r} + '\\n'); sys.exit(0)\n"
-                                "signal.signal(signal.SIGTERM, stop)\n"
-                                "print('ready', flush=True)\n"
-                                "time.sleep(600)"], stop_rank=rank)
+        supervisor.start(
+            name,
+            [
+                sys.executable,
+                "-c",
+                "import signal, sys, time\n"
+                f"def stop(*_):\n    open({str(records)!r}, 'a').write({name!r} + '\\n'); sys.exit(0)\n"
+                "signal.signal(signal.SIGTERM, stop)\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(600)",
+            ],
+            stop_rank=rank,
+        )
     for name in ranks:
-        wait_for(lambda: "ready" in (tmp_path / "logs" / f"{name}.log").read_text(), 20, f"{name} to start")
+        log = tmp_path / "logs" / f"{name}.log"
+        wait_for(lambda log=log: "ready" in log.read_text(), 20, f"{name} to start")
     supervisor.stop()
     assert records.read_text().split() == ["gateway", "worker-run", "reference", "redis"]
     assert all(child.process.poll() is not None for child in supervisor.children)

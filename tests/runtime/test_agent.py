@@ -1,5 +1,6 @@
 """The token-in/token-out agent loop, end to end: every trajectory is exactly the tokens the
 policy saw and produced, with the inference server's own logprobs."""
+
 from __future__ import annotations
 
 import uuid
@@ -10,12 +11,12 @@ from typing import Any
 import pytest
 
 from rollout_service.runtime.agent import Agent, Executor, Limits
-from rollout_service.sandbox import SandboxSpec, create_sandbox
-from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, Trajectory
 from rollout_service.runtime.tokens import ChatRenderer, renderer_for
 from rollout_service.runtime.toolcalls import get_parser
-from rollout_service.tools.schemas import tool_schemas
 from rollout_service.runtime.trajectory import TrajectoryBuilder
+from rollout_service.sandbox import SandboxSpec, create_sandbox
+from rollout_service.schemas import TRUNCATING_REASONS, FinishReason, Trajectory
+from rollout_service.tools.schemas import tool_schemas
 from tests.helpers import (
     assert_trajectory_is_exactly_what_the_server_returned,
     math_task,
@@ -36,8 +37,8 @@ FIVE_TURNS = [
 def test_a_five_turn_ipython_episode_is_token_exact_on_every_call(client, scripted_backend, tiny_tokenizer_dir, kind):
     problem = f"Compute 6*6/2. ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend({"episodes": [{"match": problem, "turns": FIVE_TURNS}]}, kind=kind)
-    job_id, = client.submit(math_task(problem, answer="18")).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    (job_id,) = client.submit(math_task(problem, answer="18")).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
     assert view.status.value == "completed", view.error
     assert (view.reward, view.finish_reason.value) == (1.0, "finished")
 
@@ -55,16 +56,24 @@ def test_a_five_turn_ipython_episode_is_token_exact_on_every_call(client, script
     assert seen == chat.rstrip("\n")
 
 
-def test_a_malformed_tool_call_is_answered_with_an_error_observation_and_the_episode_goes_on(
-        client, scripted_backend):
+def test_a_malformed_tool_call_is_answered_with_an_error_observation_and_the_episode_goes_on(client, scripted_backend):
     problem = f"Broken call ({uuid.uuid4().hex[:6]})"
-    backend = scripted_backend({"episodes": [{"match": problem, "turns": [
-        '<tool_call>\n{"name": "ipython", "arguments": {"code": "print(1)"\n</tool_call>',
-        tool_call("nonexistent_tool", x=1),
-        tool_call("finish", answer="4"),
-    ]}]})
-    job_id, = client.submit(math_task(problem)).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    backend = scripted_backend(
+        {
+            "episodes": [
+                {
+                    "match": problem,
+                    "turns": [
+                        '<tool_call>\n{"name": "ipython", "arguments": {"code": "print(1)"\n</tool_call>',
+                        tool_call("nonexistent_tool", x=1),
+                        tool_call("finish", answer="4"),
+                    ],
+                }
+            ]
+        }
+    )
+    (job_id,) = client.submit(math_task(problem)).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
     assert view.status.value == "completed" and view.finish_reason.value == "finished"
     trajectory = client.trajectory(job_id)
     errors = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
@@ -77,9 +86,8 @@ def test_the_context_limit_ends_the_episode_cleanly_and_truncated(client, script
     problem = f"Long ({uuid.uuid4().hex[:6]})"
     long_call = "Thinking " * 40 + tool_call("ipython", code="print('x' * 300)")
     backend = scripted_backend({"episodes": [{"match": problem, "turns": [long_call] * 20}]})
-    job_id, = client.submit(math_task(problem), sampling={"max_model_len": 900},
-                            agent={"max_turns": 20}).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    (job_id,) = client.submit(math_task(problem), sampling={"max_model_len": 900}, agent={"max_turns": 20}).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
     assert view.status.value == "completed"
     assert view.finish_reason.value == "context_length"
     trajectory = client.trajectory(job_id)
@@ -91,8 +99,8 @@ def test_the_context_limit_ends_the_episode_cleanly_and_truncated(client, script
 def test_a_generation_cut_by_max_new_tokens_ends_the_episode_as_length_and_truncated(client, scripted_backend):
     problem = f"Rambling ({uuid.uuid4().hex[:6]})"
     backend = scripted_backend({"episodes": [{"match": problem, "turns": ["Let me think " * 40]}]})
-    job_id, = client.submit(math_task(problem), sampling={"max_new_tokens": 16}).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    (job_id,) = client.submit(math_task(problem), sampling={"max_new_tokens": 16}).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
     assert view.status.value == "completed" and view.finish_reason.value == "length"
     trajectory = client.trajectory(job_id)
     assert trajectory.truncated and trajectory.finish_reason.value == "length"
@@ -103,7 +111,7 @@ def test_a_generation_cut_by_max_new_tokens_ends_the_episode_as_length_and_trunc
 def test_max_turns_ends_the_episode_truncated(client, scripted_backend):
     problem = f"Loop ({uuid.uuid4().hex[:6]})"
     scripted_backend({"episodes": [{"match": problem, "turns": [tool_call("ipython", code="1")] * 5}]})
-    view, = client.wait(client.submit(math_task(problem), agent={"max_turns": 3}).job_ids, timeout_s=120)
+    (view,) = client.wait(client.submit(math_task(problem), agent={"max_turns": 3}).job_ids, timeout_s=120)
     assert view.finish_reason.value == "max_turns"
     trajectory = client.trajectory(view.job_id)
     assert trajectory.truncated and sum(t.kind == "generation" for t in trajectory.turns) == 3
@@ -115,10 +123,13 @@ def test_a_real_model_trajectory_carries_the_models_own_logprobs(client, service
 
     backend = client.add_backend(model_server, "vllm", "tiny-real", tokenizer=str(tiny_model_dir))
     try:
-        job_id, = client.submit(math_task("What is 2 + 2?"), n=1,
-                                sampling={"model": "tiny-real", "max_new_tokens": 24, "temperature": 1.0,
-                                          "seed": 7}, agent={"max_turns": 3}).job_ids
-        view, = client.wait([job_id], timeout_s=180)
+        (job_id,) = client.submit(
+            math_task("What is 2 + 2?"),
+            n=1,
+            sampling={"model": "tiny-real", "max_new_tokens": 24, "temperature": 1.0, "seed": 7},
+            agent={"max_turns": 3},
+        ).job_ids
+        (view,) = client.wait([job_id], timeout_s=180)
         assert view.status.value == "completed", view.error
         trajectory = client.trajectory(job_id)
     finally:
@@ -143,11 +154,19 @@ def test_the_job_deadline_cuts_a_slow_llm_call_and_the_job_ends_timed_out_with_i
     from tests.helpers import tool_call as call
 
     problem = f"Deadline ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [{"match": problem, "turns": [
-        call("ipython", code="1"), {"text": call("ipython", code="2"), "delay_s": 30}]}]})
+    scripted_backend(
+        {
+            "episodes": [
+                {
+                    "match": problem,
+                    "turns": [call("ipython", code="1"), {"text": call("ipython", code="2"), "delay_s": 30}],
+                }
+            ]
+        }
+    )
     started = time.monotonic()
-    job_id, = client.submit(math_task(problem), timeouts={"job_s": 6}).job_ids
-    view, = client.wait([job_id], timeout_s=60)
+    (job_id,) = client.submit(math_task(problem), timeouts={"job_s": 6}).job_ids
+    (view,) = client.wait([job_id], timeout_s=60)
     assert time.monotonic() - started < 15
     assert view.status.value == "timed_out" and view.finish_reason.value == "deadline", view.error
     trajectory = client.trajectory(job_id)
@@ -156,6 +175,7 @@ def test_the_job_deadline_cuts_a_slow_llm_call_and_the_job_ends_timed_out_with_i
 
 # -- the Agent alone, in process: a scripted LLM behind the agent's LLM interface, a real tokenizer's
 # chat template, the real tool-call parser and a real bwrap sandbox for the tools.
+
 
 class ScriptedLLM:
     """Answers each call with the next scripted text as token ids, with logprobs of its own choosing
@@ -172,23 +192,41 @@ class ScriptedLLM:
         ids = ids[:max_new_tokens]
         logprobs = [-(len(self.calls) + 1) / 8 - k / 1024 for k in range(len(ids))]
         self.calls.append({"prompt_ids": list(prompt_ids), "output_ids": ids, "logprobs": logprobs})
-        record.add_generation(ids, logprobs, backend_id="scripted", policy_version=3,
-                              finish_reason="length" if cut else "stop", latency_s=0.0)
+        record.add_generation(
+            ids,
+            logprobs,
+            backend_id="scripted",
+            policy_version=3,
+            finish_reason="length" if cut else "stop",
+            latency_s=0.0,
+        )
         return ids
 
 
-def scripted_agent(tiny_tokenizer_dir: Path, turns: list[str], executor: Executor | None = None,
-                   tools: tuple[str, ...] = ("bash", "finish"), max_turns: int = 8, max_new_tokens: int = 256,
-                   max_model_len: int | None = None,
-                   stop_reason: Callable[[], FinishReason | None] = lambda: None,
-                   ) -> tuple[Agent, ScriptedLLM, list[int], list[dict]]:
+def scripted_agent(
+    tiny_tokenizer_dir: Path,
+    turns: list[str],
+    executor: Executor | None = None,
+    tools: tuple[str, ...] = ("bash", "finish"),
+    max_turns: int = 8,
+    max_new_tokens: int = 256,
+    max_model_len: int | None = None,
+    stop_reason: Callable[[], FinishReason | None] = lambda: None,
+) -> tuple[Agent, ScriptedLLM, list[int], list[dict]]:
     """An Agent on ``turns`` and the prompt init would render for a one-message task."""
     renderer = renderer_for(str(tiny_tokenizer_dir))
     llm = ScriptedLLM(renderer, turns)
-    agent = Agent(llm=llm, renderer=renderer, parser=get_parser("hermes"), tools=tuple(tools), executor=executor,
-                  limits=Limits(max_turns=max_turns, max_new_tokens=max_new_tokens, max_model_len=max_model_len,
-                                tool_timeout_s=10),
-                  stop_reason=stop_reason)
+    agent = Agent(
+        llm=llm,
+        renderer=renderer,
+        parser=get_parser("hermes"),
+        tools=tuple(tools),
+        executor=executor,
+        limits=Limits(
+            max_turns=max_turns, max_new_tokens=max_new_tokens, max_model_len=max_model_len, tool_timeout_s=10
+        ),
+        stop_reason=stop_reason,
+    )
     messages = [{"role": "user", "content": "What is in the workspace?"}]
     return agent, llm, renderer.initial_prompt(messages, tool_schemas(list(tools))), messages
 
@@ -199,9 +237,9 @@ def assert_exactly_the_scripted_tokens(trajectory: Trajectory, calls: list[dict]
     assert len(generations) == len(calls)
     generated: set[int] = set()
     for turn, call in zip(generations, calls):
-        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[:turn.start]
-        assert trajectory.response_ids[turn.start:turn.end] == call["output_ids"]
-        assert trajectory.logprobs[turn.start:turn.end] == call["logprobs"]
+        assert call["prompt_ids"] == trajectory.prompt_ids + trajectory.response_ids[: turn.start]
+        assert trajectory.response_ids[turn.start : turn.end] == call["output_ids"]
+        assert trajectory.logprobs[turn.start : turn.end] == call["logprobs"]
         generated.update(range(turn.start, turn.end))
     assert [i for i, m in enumerate(trajectory.loss_mask) if m == 1] == sorted(generated)
     assert all(trajectory.logprobs[i] == 0.0 for i, m in enumerate(trajectory.loss_mask) if m == 0)
@@ -209,12 +247,15 @@ def assert_exactly_the_scripted_tokens(trajectory: Trajectory, calls: list[dict]
 
 
 def test_the_agent_runs_tool_call_observation_and_final_answer_with_exactly_the_scripted_tokens(
-        tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+    tiny_tokenizer_dir: Path, tmp_path: Path
+) -> None:
     (tmp_path / "notes.txt").write_text("forty-two\n")
-    turns = ["Let me look.\n" + tool_call("bash", command="cat notes.txt"),
-             "And a file that is not there.\n" + tool_call("bash", command="cat missing.txt"),
-             tool_call("no_such_tool", x=1),
-             "It says forty-two.\n" + tool_call("finish", answer="42")]
+    turns = [
+        "Let me look.\n" + tool_call("bash", command="cat notes.txt"),
+        "And a file that is not there.\n" + tool_call("bash", command="cat missing.txt"),
+        tool_call("no_such_tool", x=1),
+        "It says forty-two.\n" + tool_call("finish", answer="42"),
+    ]
     box = create_sandbox("bwrap", SandboxSpec("job-agent", str(tmp_path), tools=("bash", "finish")))
     box.start()
     try:
@@ -247,7 +288,8 @@ LIMITS = {  # limit -> (agent settings, scripted turns, generations made)
 
 @pytest.mark.parametrize("limit", LIMITS, ids=list(LIMITS))
 def test_a_limit_ends_the_agents_episode_with_its_finish_reason_and_exact_tokens(
-        tiny_tokenizer_dir: Path, limit: str) -> None:
+    tiny_tokenizer_dir: Path, limit: str
+) -> None:
     _, turns, generations = LIMITS[limit]
     settings: dict[str, Any] = dict(LIMITS[limit][0])
     made: list[dict] = []

@@ -1,6 +1,7 @@
 """An external agent harness (plain stdlib Python, speaking OpenAI chat.completions) runs inside
 a real bwrap sandbox with no network against the job's own endpoint; the service records every
 call in token space, exactly as the scripted vLLM-protocol server returned it."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -8,8 +9,8 @@ import json
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import httpx
 import pytest
@@ -21,7 +22,7 @@ from rollout_service.schemas import ChatCompletionRequest, HarnessConfig
 from rollout_service.settings import get_settings
 from tests.helpers import TOOL_LOOP_HARNESS, assert_trajectory_is_exactly_what_the_server_returned, server_log
 
-BAD_REQUESTS_HARNESS = r'''
+BAD_REQUESTS_HARNESS = r"""
 import json, os, urllib.error, urllib.request
 
 def status(body, key=os.environ["OPENAI_API_KEY"]):
@@ -36,7 +37,7 @@ def status(body, key=os.environ["OPENAI_API_KEY"]):
 hello = [{"role": "user", "content": "hello"}]
 print(json.dumps({"n": status({"messages": hello, "n": 2}), "no_messages": status({"model": "m"}),
                   "wrong_key": status({"messages": hello}, key="not-the-key")}))
-'''
+"""
 
 
 def tool_call(name: str, **arguments: object) -> str:
@@ -49,18 +50,29 @@ def assert_segment_is_exactly_what_the_server_returned(segment, requests: list[d
 
 
 def test_a_stdlib_harness_runs_three_turns_with_tool_calls_and_every_call_is_recorded_exactly(
-        client, scripted_backend, scripted_server, service):
+    client, scripted_backend, scripted_server, service
+):
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
-    backend = scripted_backend({"episodes": [
-        {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
-        {"match": problem, "turns": [
-            "Let me check.\n" + tool_call("shell", command="echo hi-from-the-sandbox"),
-            tool_call("shell", command="python -c 'print(2 + 2)'"),
-            "The answer is \\boxed{4}.",
-        ]}]})
-    job_id, = client.submit({"domain": "math", "problem": problem, "answer": "4"},
-                            agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    backend = scripted_backend(
+        {
+            "episodes": [
+                {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
+                {
+                    "match": problem,
+                    "turns": [
+                        "Let me check.\n" + tool_call("shell", command="echo hi-from-the-sandbox"),
+                        tool_call("shell", command="python -c 'print(2 + 2)'"),
+                        "The answer is \\boxed{4}.",
+                    ],
+                },
+            ]
+        }
+    )
+    (job_id,) = client.submit(
+        {"domain": "math", "problem": problem, "answer": "4"},
+        agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}},
+    ).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
 
     assert view.status.value == "completed", view.error
     assert view.finish_reason.value == "finished" and view.reward == 1.0
@@ -74,15 +86,19 @@ def test_a_stdlib_harness_runs_three_turns_with_tool_calls_and_every_call_is_rec
     tool_messages = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
     assert tool_messages == ["hi-from-the-sandbox\n", "4\n"]
     assistant = [m for m in trajectory.messages if m["role"] == "assistant"]
-    assert assistant[0]["tool_calls"][0]["function"] == {"name": "shell",
-                                                         "arguments": {"command": "echo hi-from-the-sandbox"}}
+    assert assistant[0]["tool_calls"][0]["function"] == {
+        "name": "shell",
+        "arguments": {"command": "echo hi-from-the-sandbox"},
+    }
 
 
 def test_bad_chat_requests_get_4xx_answers_that_name_the_problem(client, scripted_backend):
     scripted_backend({"episodes": [{"match": "hello", "turns": ["hi"]}]})
-    job_id, = client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"},
-                            agent={"harness": {"command": ["python", "-c", BAD_REQUESTS_HARNESS]}}).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    (job_id,) = client.submit(
+        {"domain": "math", "problem": "1 + 1?", "answer": "2"},
+        agent={"harness": {"command": ["python", "-c", BAD_REQUESTS_HARNESS]}},
+    ).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
 
     assert view.status.value == "completed", view.error
     seen = json.loads(view.result["artifact"]["answer"])  # the harness's last stdout line
@@ -94,29 +110,35 @@ def test_bad_chat_requests_get_4xx_answers_that_name_the_problem(client, scripte
 
 def test_cancelling_a_job_stops_its_harness(client, scripted_backend):
     scripted_backend({"episodes": [{"match": "hello", "turns": ["hi"]}]})
-    job_id, = client.submit({"domain": "math", "problem": "1 + 1?", "answer": "2"},
-                            agent={"harness": {"command": ["sleep", "600"]}}).job_ids
+    (job_id,) = client.submit(
+        {"domain": "math", "problem": "1 + 1?", "answer": "2"}, agent={"harness": {"command": ["sleep", "600"]}}
+    ).job_ids
     deadline = time.time() + 60
     while client.get(job_id).status.value != "running" and time.time() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)  # the harness is up inside the sandbox
     client.cancel(job_id)
     began = time.monotonic()
-    view, = client.wait([job_id], timeout_s=60)
+    (view,) = client.wait([job_id], timeout_s=60)
 
     assert view.status.value == "cancelled"
     assert time.monotonic() - began < 15
 
 
-@pytest.mark.parametrize("harness, problem", [
-    ({"command": []}, "command"),
-    ({"command": [""]}, "command[0]"),
-    ({"command": "python agent.py"}, "command"),
-    ({"env": {}}, "command"),
-])
+@pytest.mark.parametrize(
+    "harness, problem",
+    [
+        ({"command": []}, "command"),
+        ({"command": [""]}, "command[0]"),
+        ({"command": "python agent.py"}, "command"),
+        ({"env": {}}, "command"),
+    ],
+)
 def test_a_harness_without_a_usable_command_is_refused_at_submission(service, harness, problem):
-    response = httpx.post(f"{service.url}/v1/jobs", json={
-        "task": {"domain": "math", "problem": "1 + 1?", "answer": "2"}, "agent": {"harness": harness}})
+    response = httpx.post(
+        f"{service.url}/v1/jobs",
+        json={"task": {"domain": "math", "problem": "1 + 1?", "answer": "2"}, "agent": {"harness": harness}},
+    )
     assert response.status_code == 400
     assert f"agent.harness.{problem.split('[')[0]}" in response.json()["error"]["message"]
 
@@ -129,12 +151,21 @@ def test_the_chat_request_model_takes_one_choice_per_call():
 
 def test_a_harness_past_max_turns_is_told_the_rollout_is_over_and_the_episode_is_truncated(client, scripted_backend):
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
-    scripted_backend({"episodes": [{"match": problem, "turns": [
-        tool_call("shell", command="echo one"), tool_call("shell", command="echo two"), "done"]}]})
-    job_id, = client.submit({"domain": "math", "problem": problem, "answer": "4"},
-                            agent={"max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}
-                            ).job_ids
-    view, = client.wait([job_id], timeout_s=120)
+    scripted_backend(
+        {
+            "episodes": [
+                {
+                    "match": problem,
+                    "turns": [tool_call("shell", command="echo one"), tool_call("shell", command="echo two"), "done"],
+                }
+            ]
+        }
+    )
+    (job_id,) = client.submit(
+        {"domain": "math", "problem": problem, "answer": "4"},
+        agent={"max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}},
+    ).job_ids
+    (view,) = client.wait([job_id], timeout_s=120)
 
     assert view.status.value == "completed", view.error
     assert view.finish_reason.value == "max_turns"
@@ -147,36 +178,47 @@ def test_the_harness_endpoint_works_the_same_in_a_local_sandbox(tmp_path, script
 
     problem = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"
     cut_short = f"What is 2 + 2? ({uuid.uuid4().hex[:6]})"  # the same answer; killed before writing it
-    url = scripted_server({"episodes": [
-        {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
-        {"match": problem, "turns": [tool_call("shell", command="echo hi"), "The answer is \\boxed{4}."]},
-        {"match": cut_short, "turns": [tool_call("shell", command="echo one"), tool_call("shell", command="echo two"),
-                                       "done"]}]})
+    url = scripted_server(
+        {
+            "episodes": [
+                {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
+                {"match": problem, "turns": [tool_call("shell", command="echo hi"), "The answer is \\boxed{4}."]},
+                {
+                    "match": cut_short,
+                    "turns": [tool_call("shell", command="echo one"), tool_call("shell", command="echo two"), "done"],
+                },
+            ]
+        }
+    )
     with running_service(tmp_path, ROLLOUT_SANDBOX="local") as service, service.client() as local_client:
         local_client.add_backend(url, "vllm", "scripted", tokenizer=str(tiny_tokenizer_dir))
-        job_id, = local_client.submit({"domain": "math", "problem": problem, "answer": "4"},
-                                      agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
-        view, = local_client.wait([job_id], timeout_s=120)
+        (job_id,) = local_client.submit(
+            {"domain": "math", "problem": problem, "answer": "4"},
+            agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}},
+        ).job_ids
+        (view,) = local_client.wait([job_id], timeout_s=120)
         assert view.status.value == "completed", view.error
         assert view.reward == 1.0
         assert_segment_is_exactly_what_the_server_returned(local_client.trajectory(job_id), server_log(url)[:2])
 
-        job_id, = local_client.submit({"domain": "math", "problem": cut_short, "answer": "4"}, agent={
-            "max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
-        view, = local_client.wait([job_id], timeout_s=120)
+        (job_id,) = local_client.submit(
+            {"domain": "math", "problem": cut_short, "answer": "4"},
+            agent={"max_turns": 2, "harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}},
+        ).job_ids
+        (view,) = local_client.wait([job_id], timeout_s=120)
         assert view.status.value == "completed", view.error
         assert view.finish_reason.value == "max_turns" and view.reward == 0.0
         assert view.result["artifact"]["answer"] is None  # not the answer the job before wrote
 
 
-ANSWER_WRITER = r'''
+ANSWER_WRITER = r"""
 import os, sys, time
 time.sleep(float(sys.argv[1]))
 with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
     f.write(sys.argv[2])
 with open("answer-file-path", "w") as f:
     f.write(os.environ["ROLLOUT_ANSWER_FILE"])
-'''
+"""
 
 
 @pytest.fixture
@@ -187,14 +229,20 @@ def local_harness(tmp_path, monkeypatch) -> Iterator[Callable[..., tuple[object,
     monkeypatch.setenv("ROLLOUT_SANDBOX_SCRATCH_DIR", str(scratch))
     get_settings.cache_clear()
 
-    def run(job_id: str, *command: str, stop_after_s: Optional[float] = None) -> tuple[object, Path]:
+    def run(job_id: str, *command: str, stop_after_s: float | None = None) -> tuple[object, Path]:
         workspace = tmp_path / uuid.uuid4().hex[:8]
         workspace.mkdir()
         session = ChatSession(None, None, None, Limits(4, 16, None, 30.0), new_api_key())
         began = time.monotonic()
         with create_sandbox("local", SandboxSpec(job_id, str(workspace), tools=("bash",))) as sandbox:
-            episode = run_harness(sandbox, session, HarnessConfig(command=list(command)), [], time.time() + 60,
-                                  lambda: stop_after_s is not None and time.monotonic() - began > stop_after_s)
+            episode = run_harness(
+                sandbox,
+                session,
+                HarnessConfig(command=list(command)),
+                [],
+                time.time() + 60,
+                lambda: stop_after_s is not None and time.monotonic() - began > stop_after_s,
+            )
         return episode, workspace
 
     yield run
@@ -205,8 +253,9 @@ def local_harness(tmp_path, monkeypatch) -> Iterator[Callable[..., tuple[object,
 
 def test_concurrent_harnesses_in_local_sandboxes_each_get_their_own_answer_file(local_harness):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        runs = list(pool.map(lambda n: local_harness("same-job", "python", "-c", ANSWER_WRITER, "0.5", f"answer-{n}"),
-                             range(4)))
+        runs = list(
+            pool.map(lambda n: local_harness("same-job", "python", "-c", ANSWER_WRITER, "0.5", f"answer-{n}"), range(4))
+        )
 
     assert [episode.answer for episode, _ in runs] == [f"answer-{n}" for n in range(4)]
     paths = [(workspace / "answer-file-path").read_text() for _, workspace in runs]

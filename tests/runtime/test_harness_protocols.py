@@ -2,12 +2,14 @@
 answers round-trip tool calls token-exactly against a scripted server, an ended episode is a 409 the
 SDKs do not retry, an over-long context is the error each SDK (and LiteLLM) recognises, and a bad
 request names its field."""
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -18,14 +20,21 @@ import pytest
 from rollout_service.runtime.agent import Limits
 from rollout_service.runtime.harness import ChatSession, EndpointServer, new_api_key
 from rollout_service.runtime.inference import make_client
-from rollout_service.schemas import FinishReason, Sampling
-from rollout_service.runtime.trajectory import TrajectoryBuilder
-from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, server_log
 from rollout_service.runtime.tokens import renderer_for
 from rollout_service.runtime.toolcalls import get_parser
+from rollout_service.runtime.trajectory import TrajectoryBuilder
+from rollout_service.schemas import FinishReason, Sampling
+from tests.helpers import assert_trajectory_is_exactly_what_the_server_returned, server_log
 
-TOOLS = [{"type": "function", "function": {"name": "shell", "parameters": {
-    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        },
+    }
+]
 
 
 class Endpoint:
@@ -39,19 +48,26 @@ class Endpoint:
         return http.Client(transport=http.HTTPTransport(uds=self.path), event_hooks={"request": [count]})
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url="http://harness/v1", api_key=self.session.api_key, max_retries=2,
-                             http_client=self.http_client())
+        return openai.OpenAI(
+            base_url="http://harness/v1", api_key=self.session.api_key, max_retries=2, http_client=self.http_client()
+        )
 
     def anthropic(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url="http://harness", api_key=self.session.api_key, max_retries=2,
-                                   http_client=self.http_client(httpx2))
+        return anthropic.Anthropic(
+            base_url="http://harness", api_key=self.session.api_key, max_retries=2, http_client=self.http_client(httpx2)
+        )
 
 
 @pytest.fixture
 def endpoint(tmp_path: Path, tiny_tokenizer_dir: Path) -> Iterator[Endpoint]:
     """An endpoint whose session has no LLM: every call here ends before one would be made."""
-    session = ChatSession(None, renderer_for(str(tiny_tokenizer_dir)), get_parser("hermes"),
-                          Limits(max_turns=4, max_new_tokens=16, max_model_len=64, tool_timeout_s=30.0), new_api_key())
+    session = ChatSession(
+        None,
+        renderer_for(str(tiny_tokenizer_dir)),
+        get_parser("hermes"),
+        Limits(max_turns=4, max_new_tokens=16, max_model_len=64, tool_timeout_s=30.0),
+        new_api_key(),
+    )
     path = os.path.join(tmp_path, "endpoint.sock")
     server = EndpointServer(path, session)
     yield Endpoint(session, path)
@@ -87,8 +103,9 @@ def test_an_over_long_context_is_context_length_exceeded_for_openai_clients(endp
     error = raised.value
     assert error.code == "context_length_exceeded" and error.param == "messages"
     assert error.body["type"] == "invalid_request_error"
-    assert error.body["message"].startswith("This model's maximum context length is 64 tokens. However, your "
-                                            "messages resulted in ")  # what LiteLLM maps to ContextWindowExceededError
+    assert error.body["message"].startswith(
+        "This model's maximum context length is 64 tokens. However, your messages resulted in "
+    )  # what LiteLLM maps to ContextWindowExceededError
     assert endpoint.session.stopped == FinishReason.context_length
 
 
@@ -105,17 +122,36 @@ def test_an_over_long_context_is_prompt_too_long_for_responses_and_anthropic_cli
     assert endpoint.requests == 2
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda c: c.openai().responses.create(model="m", input=[{"type": "web_search_call", "id": "x"}]), "input[0].type"),
-    (lambda c: c.openai().responses.create(model="m", input="hi", tools=[{"type": "web_search"}]), "tools[0].type"),
-    (lambda c: c.openai().responses.create(model="m", input="hi", previous_response_id="resp_x"),
-     "previous_response_id"),
-    (lambda c: c.anthropic().messages.create(model="m", max_tokens=8, messages=[
-        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]),
-     "messages[0].content[0].type"),
-    (lambda c: c.anthropic().messages.create(model="m", max_tokens=0, messages=[{"role": "user", "content": "x"}]),
-     "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (
+            lambda c: c.openai().responses.create(model="m", input=[{"type": "web_search_call", "id": "x"}]),
+            "input[0].type",
+        ),
+        (lambda c: c.openai().responses.create(model="m", input="hi", tools=[{"type": "web_search"}]), "tools[0].type"),
+        (
+            lambda c: c.openai().responses.create(model="m", input="hi", previous_response_id="resp_x"),
+            "previous_response_id",
+        ),
+        (
+            lambda c: c.anthropic().messages.create(
+                model="m",
+                max_tokens=8,
+                messages=[
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}
+                ],
+            ),
+            "messages[0].content[0].type",
+        ),
+        (
+            lambda c: c.anthropic().messages.create(
+                model="m", max_tokens=0, messages=[{"role": "user", "content": "x"}]
+            ),
+            "max_tokens",
+        ),
+    ],
+)
 def test_a_bad_request_is_a_400_naming_the_field(endpoint, call, field):
     with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as raised:
         call(endpoint)
@@ -144,8 +180,14 @@ class ScriptedLLM:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder) -> list[int]:
         generation = self.client.generate(prompt_ids, Sampling(), max_new_tokens, 60.0)
-        record.add_generation(generation.token_ids, generation.logprobs, backend_id="scripted", policy_version=0,
-                              finish_reason=generation.finish_reason, latency_s=generation.latency_s)
+        record.add_generation(
+            generation.token_ids,
+            generation.logprobs,
+            backend_id="scripted",
+            policy_version=0,
+            finish_reason=generation.finish_reason,
+            latency_s=generation.latency_s,
+        )
         return generation.token_ids
 
 
@@ -156,9 +198,15 @@ def tool_call(name: str, **arguments: object) -> str:
 @pytest.fixture
 def scripted_endpoint(endpoint, scripted_server) -> Callable[[str], str]:
     """``scripted_endpoint(problem) -> url``: the endpoint's session generating from a scripted server."""
+
     def start(problem: str) -> str:
-        url = scripted_server({"episodes": [{"match": problem, "turns": [
-            "Let me check.\n" + tool_call("shell", command="echo hi"), "It is 4."]}]})
+        url = scripted_server(
+            {
+                "episodes": [
+                    {"match": problem, "turns": ["Let me check.\n" + tool_call("shell", command="echo hi"), "It is 4."]}
+                ]
+            }
+        )
         endpoint.session.llm = ScriptedLLM(url)
         endpoint.session.limits.max_model_len, endpoint.session.limits.max_new_tokens = None, 256
         return url
@@ -168,11 +216,15 @@ def scripted_endpoint(endpoint, scripted_server) -> Callable[[str], str]:
 
 def assert_recorded_exactly(session: ChatSession, url: str) -> None:
     trajectory = session.build(FinishReason.finished)
-    assert trajectory.segments == [] and [t.kind for t in trajectory.turns] == ["generation", "observation",
-                                                                                 "generation"]
+    assert trajectory.segments == [] and [t.kind for t in trajectory.turns] == [
+        "generation",
+        "observation",
+        "generation",
+    ]
     assert_trajectory_is_exactly_what_the_server_returned(trajectory, server_log(url))
     assert trajectory.messages[-3]["tool_calls"] == [
-        {"type": "function", "function": {"name": "shell", "arguments": {"command": "echo hi"}}}]
+        {"type": "function", "function": {"name": "shell", "arguments": {"command": "echo hi"}}}
+    ]
 
 
 def test_streamed_chat_completions_round_trip_a_tool_call(endpoint, scripted_endpoint):
@@ -183,9 +235,16 @@ def test_streamed_chat_completions_round_trip_a_tool_call(endpoint, scripted_end
     call = chunks[1].choices[0].delta.tool_calls[0]
     assert chunks[0].choices[0].delta.content == "Let me check." and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert (call.function.name, json.loads(call.function.arguments)) == ("shell", {"command": "echo hi"})
-    messages += [{"role": "assistant", "content": "Let me check.", "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": "shell", "arguments": call.function.arguments}}]},
-                 {"role": "tool", "tool_call_id": call.id, "content": "hi\n"}]
+    messages += [
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": "shell", "arguments": call.function.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "hi\n"},
+    ]
     final = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in final) == "It is 4."
     assert final[-1].usage.completion_tokens > 0
@@ -203,8 +262,12 @@ def test_streamed_responses_round_trip_a_tool_call(endpoint, scripted_endpoint):
     assert "response.output_text.delta" in kinds and "response.function_call_arguments.done" in kinds
     call = next(item for item in first.output if item.type == "function_call")
     assert first.output_text == "Let me check." and json.loads(call.arguments) == {"command": "echo hi"}
-    with client.responses.stream(model="m", previous_response_id=first.id, tools=tools, input=[
-            {"type": "function_call_output", "call_id": call.call_id, "output": "hi\n"}]) as stream:
+    with client.responses.stream(
+        model="m",
+        previous_response_id=first.id,
+        tools=tools,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "hi\n"}],
+    ) as stream:
         final = stream.get_final_response()
     assert final.output_text == "It is 4." and final.status == "completed"
     assert_recorded_exactly(endpoint.session, url)
@@ -218,10 +281,16 @@ def test_streamed_anthropic_messages_round_trip_a_tool_call(endpoint, scripted_e
     with client.messages.stream(model="m", max_tokens=64, messages=messages, tools=tools) as stream:
         first = stream.get_final_message()
     text, use = first.content
-    assert (text.text, use.name, use.input, first.stop_reason) == ("Let me check.", "shell", {"command": "echo hi"},
-                                                                  "tool_use")
-    messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hi\n"}]}]
+    assert (text.text, use.name, use.input, first.stop_reason) == (
+        "Let me check.",
+        "shell",
+        {"command": "echo hi"},
+        "tool_use",
+    )
+    messages += [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hi\n"}]},
+    ]
     with client.messages.stream(model="m", max_tokens=64, messages=messages, tools=tools) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == "It is 4." and final.stop_reason == "end_turn"

@@ -1,4 +1,5 @@
 """The inference client's HTTP/1.1 exchange against a raw socket server that answers as told."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -26,7 +27,9 @@ def read_request(conn: socket.socket) -> bytes:
             return b""
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     while len(body) < length:
         body += conn.recv(65536)
     return body
@@ -68,10 +71,12 @@ def test_answers_by_length_by_chunks_and_by_close_all_read_whole(raw_server):
     url, answers, accepted = raw_server
     pool = KeepAlivePool()
     answers += [
-        reply(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{\"a\":1}"),
-        reply(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
-              b"3;x=y\r\n{\"b\r\n4\r\n\":2}\r\n0\r\nX-Trailer: t\r\n\r\n"),
-        reply(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"c\":3}", keep=False),
+        reply(b'HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\n{"a":1}'),
+        reply(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b'3;x=y\r\n{"b\r\n4\r\n":2}\r\n0\r\nX-Trailer: t\r\n\r\n'
+        ),
+        reply(b'HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{"c":3}', keep=False),
     ]
     assert pool.post_json(url, b"{}", 5, 5) == (200, b'{"a":1}')
     assert pool.post_json(url, b"{}", 5, 5) == (201, b'{"b":2}')
@@ -83,8 +88,13 @@ def test_a_request_body_arrives_whole_and_connection_close_is_honoured(raw_serve
     url, answers, accepted = raw_server
     seen: list[bytes] = []
     pool = KeepAlivePool()
-    answers += [lambda conn, body: (seen.append(body), conn.sendall(
-        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"), False)[2]] * 2
+    answers += [
+        lambda conn, body: (
+            seen.append(body),
+            conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"),
+            False,
+        )[2]
+    ] * 2
     big = b"[" + b",".join(b"%d" % i for i in range(50000)) + b"]"
     assert pool.post_json(url, big, 5, 5) == (200, b"ok")
     assert pool.post_json(url, b"{}", 5, 5) == (200, b"ok")
@@ -94,9 +104,11 @@ def test_a_request_body_arrives_whole_and_connection_close_is_honoured(raw_serve
 def test_an_idle_connection_the_server_dropped_is_replaced_but_a_half_answer_is_an_error(raw_server):
     url, answers, accepted = raw_server
     pool = KeepAlivePool()
-    answers += [reply(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n1", keep=False),  # then closes, silently
-                reply(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n2"),
-                reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n123", keep=False)]
+    answers += [
+        reply(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n1", keep=False),  # then closes, silently
+        reply(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n2"),
+        reply(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n123", keep=False),
+    ]
     assert pool.post_json(url, b"{}", 5, 5) == (200, b"1")
     assert pool.post_json(url, b"{}", 5, 5) == (200, b"2")  # sent again on a new connection
     with pytest.raises(ConnectFailed, match="mid-answer"):
@@ -158,8 +170,14 @@ def test_in_a_green_worker_a_local_connect_does_not_hand_the_cpu_to_other_episod
         answer = connection.post("/", b"{}")
         print(json.dumps({"before": before, "answer": [answer[0], answer[1].decode()], "after": ran}))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     result = json.loads(out.stdout)
     assert result["before"] == []
     assert result["answer"] == [200, "ok"]

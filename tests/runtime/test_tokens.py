@@ -1,7 +1,7 @@
 """The tiny offline tokenizer/model and the chat renderer's token-level prompt building."""
+
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -11,17 +11,27 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.errors import ConfigError
 from rollout_service.devtools.tiny_model import SPECIAL_TOKENS, build_tiny_tokenizer
+from rollout_service.errors import ConfigError
 from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer, renderer_for
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "ipython", "description": "Run Python code.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}},
-    {"type": "function", "function": {
-        "name": "finish", "description": "Submit the final answer.",
-        "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "ipython",
+            "description": "Run Python code.",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "finish",
+            "description": "Submit the final answer.",
+            "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+        },
+    },
 ]
 TOOL_CALL = '<tool_call>\n{"name": "ipython", "arguments": {"code": "print(2 + 2)"}}\n</tool_call>'
 
@@ -56,13 +66,14 @@ def test_the_tiny_tokenizer_round_trips_text_and_keeps_each_special_token_whole(
 
 
 def test_the_tiny_tokenizer_loads_offline_with_auto_tokenizer_and_the_model_dir_tokenizes_the_same(
-        tiny_tokenizer_dir, tiny_model_dir, monkeypatch):
+    tiny_tokenizer_dir, tiny_model_dir, monkeypatch
+):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     alone = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     with_model = AutoTokenizer.from_pretrained(tiny_model_dir)
-    text = "Hello   world!! 123456\n\n  <tool_call>\n{\"a\": [1, 2]}\n</tool_call><|im_end|>"
+    text = 'Hello   world!! 123456\n\n  <tool_call>\n{"a": [1, 2]}\n</tool_call><|im_end|>'
     assert alone.encode(text, add_special_tokens=False) == with_model.encode(text, add_special_tokens=False)
     assert alone.eos_token == "<|im_end|>" and alone.chat_template == with_model.chat_template
 
@@ -148,15 +159,23 @@ def test_the_initial_prompt_renders_the_tool_schemas_and_ends_with_the_generatio
 
 def test_without_tools_the_prompt_is_plain_chatml(renderer):
     text = renderer.decode(renderer.initial_prompt(first_messages(), []))
-    assert text == ("<|im_start|>system\nSolve it.<|im_end|>\n"
-                    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_assistant_tool_calls_render_in_hermes_format_and_tool_results_as_tool_responses(renderer):
-    messages = [*first_messages(),
-                {"role": "assistant", "content": "Let me compute.", "tool_calls": [
-                    {"type": "function", "function": {"name": "ipython", "arguments": {"code": "print(2 + 2)"}}}]},
-                {"role": "tool", "content": "4"}]
+    messages = [
+        *first_messages(),
+        {
+            "role": "assistant",
+            "content": "Let me compute.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "ipython", "arguments": {"code": "print(2 + 2)"}}}
+            ],
+        },
+        {"role": "tool", "content": "4"},
+    ]
     text = renderer.render_text(messages, TOOLS)
     assert f"<|im_start|>assistant\nLet me compute.\n{TOOL_CALL}<|im_end|>\n" in text
     assert text.endswith("<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n")
@@ -175,9 +194,11 @@ def test_the_renderer_finds_the_end_of_turn_and_generation_prompt_in_the_templat
 def test_prompt_plus_generations_plus_deltas_is_exactly_what_the_full_template_renders(renderer):
     messages = first_messages()
     ids = renderer.initial_prompt(messages, TOOLS)
-    turns = [("Let me compute.\n" + TOOL_CALL, [{"role": "tool", "content": "4"}]),
-             ("Check once more.\n" + TOOL_CALL, [{"role": "tool", "content": "4"}, {"role": "tool", "content": "ok"}]),
-             ("It is 4.", [{"role": "user", "content": "Call finish, please."}])]
+    turns = [
+        ("Let me compute.\n" + TOOL_CALL, [{"role": "tool", "content": "4"}]),
+        ("Check once more.\n" + TOOL_CALL, [{"role": "tool", "content": "4"}, {"role": "tool", "content": "ok"}]),
+        ("It is 4.", [{"role": "user", "content": "Call finish, please."}]),
+    ]
     for text, observation in turns:
         generated = renderer.encode(text) + [renderer.end_of_turn_id]
         ids += generated + renderer.observation_delta(observation, generated)
@@ -190,15 +211,19 @@ def test_prompt_plus_generations_plus_deltas_is_exactly_what_the_full_template_r
 
 def test_the_delta_frames_tool_results_and_ends_with_the_generation_prompt(renderer):
     delta = renderer.observation_delta([{"role": "tool", "content": "4"}], [renderer.end_of_turn_id])
-    assert renderer.decode(delta) == ("\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n"
-                                      "<|im_start|>assistant\n")
+    assert renderer.decode(delta) == (
+        "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_generation_cut_by_length_is_closed_with_the_end_of_turn_before_the_observation(renderer):
     cut = renderer.encode("Let me comp")
     delta = renderer.observation_delta([{"role": "user", "content": "Go on."}], cut)
     assert delta[0] == renderer.end_of_turn_id
-    assert renderer.decode(cut + delta) == "Let me comp<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        renderer.decode(cut + delta)
+        == "Let me comp<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_the_delta_is_derived_from_any_chatml_like_template_not_hardcoded(tiny_tokenizer_dir):
@@ -264,17 +289,22 @@ def test_the_renderer_tokenizes_and_decodes_exactly_as_the_transformers_tokenize
     tokenizer = renderer.tokenizer
     assert renderer._rust is not None and renderer._special_split is not None  # the fast paths are what this checks
     rng = random.Random(7)
-    texts = [renderer.render_text([{"role": "user", "content": "what is 2+2?"}], add_generation_prompt=True),
-             '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', "émoji 🎉 ünïcode\t\n  "]
-    texts += ["".join(rng.choice("ab <|>\n 12xyz_im_startend{}\"é") for _ in range(rng.randint(1, 80)))
-              for _ in range(300)]
+    texts = [
+        renderer.render_text([{"role": "user", "content": "what is 2+2?"}], add_generation_prompt=True),
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
+        "émoji 🎉 ünïcode\t\n  ",
+    ]
+    texts += [
+        "".join(rng.choice('ab <|>\n 12xyz_im_startend{}"é') for _ in range(rng.randint(1, 80))) for _ in range(300)
+    ]
     pieces = [*SPECIAL_TOKENS, " ", "\n", "  x", "user", "é ", "12", "<|", "|>", "<tool_call", "\n\n "]
     texts += ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(300)]
     for text in texts + texts:  # the second time from the segments cached the first
         ids = list(tokenizer.encode(text, add_special_tokens=False))
         assert renderer.encode(text) == ids, text
-        assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=False,
-                                                        clean_up_tokenization_spaces=False)
+        assert renderer.decode(ids) == tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
 
 READING_TEMPLATE = (  # reads what the wrapper adds or drops: special-token variables, aliased reasoning, None keys
@@ -292,12 +322,15 @@ def test_the_direct_template_render_is_what_apply_chat_template_renders(tiny_tok
     on any conversation it must give the wrapper's text to the character."""
     import random
 
-    tokenizer = load_tokenizer(str(tiny_tokenizer_dir)) if template == "tiny" else \
-        fresh_tokenizer(tiny_tokenizer_dir, READING_TEMPLATE)
+    tokenizer = (
+        load_tokenizer(str(tiny_tokenizer_dir))
+        if template == "tiny"
+        else fresh_tokenizer(tiny_tokenizer_dir, READING_TEMPLATE)
+    )
     renderer = ChatRenderer(tokenizer)
     assert renderer._direct is not None  # the fast path is what this checks
     rng = random.Random(11)
-    words = ["2 + 2", "<tool_call>", "{\"a\": 1}", "émoji 🎉", "\n\n", "  ", "<|im_end|>", "ok", "Error: no"]
+    words = ["2 + 2", "<tool_call>", '{"a": 1}', "émoji 🎉", "\n\n", "  ", "<|im_end|>", "ok", "Error: no"]
 
     def text() -> str:
         return "".join(rng.choice(words) for _ in range(rng.randint(0, 6)))
@@ -317,8 +350,9 @@ def test_the_direct_template_render_is_what_apply_chat_template_renders(tiny_tok
         messages = [message() for _ in range(rng.randint(1, 6))]
         tools = rng.choice([None, TOOLS])
         generation_prompt = rng.random() < 0.5
-        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+        expected = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
         assert renderer.render_text(messages, tools, generation_prompt) == expected, messages
 
 
@@ -348,13 +382,29 @@ def test_prompts_and_observations_filled_into_a_frame_are_what_the_template_rend
     that trims or tests its contents; either way the text is the template's to the character."""
     import random
 
-    tokenizer = load_tokenizer(str(tiny_tokenizer_dir)) if template == "tiny" else fresh_tokenizer(
-        tiny_tokenizer_dir, {"reading": READING_TEMPLATE, "trimming": TRIMMING_TEMPLATE,
-                             "testing": TESTING_TEMPLATE}[template])
+    tokenizer = (
+        load_tokenizer(str(tiny_tokenizer_dir))
+        if template == "tiny"
+        else fresh_tokenizer(
+            tiny_tokenizer_dir,
+            {"reading": READING_TEMPLATE, "trimming": TRIMMING_TEMPLATE, "testing": TESTING_TEMPLATE}[template],
+        )
+    )
     renderer = ChatRenderer(tokenizer)
     rng = random.Random(7)
-    words = ["2 + 2", "<tool_call>", "<tool_response>", "{\"a\": 1}", "{{ x }}", "émoji 🎉", "\n\n", "  ",
-             "<|im_end|>", "ok", "\x00FRAME0\x00"]
+    words = [
+        "2 + 2",
+        "<tool_call>",
+        "<tool_response>",
+        '{"a": 1}',
+        "{{ x }}",
+        "émoji 🎉",
+        "\n\n",
+        "  ",
+        "<|im_end|>",
+        "ok",
+        "\x00FRAME0\x00",
+    ]
 
     def message(role: str) -> dict:
         m = {"role": role, "content": "".join(rng.choice(words) for _ in range(rng.randint(0, 5)))}
@@ -367,12 +417,14 @@ def test_prompts_and_observations_filled_into_a_frame_are_what_the_template_rend
         messages = [message(role) for role in roles]
         tools = rng.choice([None, TOOLS])
         generation_prompt = rng.random() < 0.7
-        expected = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+        expected = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
         assert renderer.render_framed(messages, tools, generation_prompt) == expected, messages
         if roles[0] == "tool" and any(m["content"] for m in messages):
-            assert renderer.decode(renderer.observation_delta(messages, [renderer.end_of_turn_id])) == \
-                renderer.observation_text(messages)
+            assert renderer.decode(
+                renderer.observation_delta(messages, [renderer.end_of_turn_id])
+            ) == renderer.observation_text(messages)
     framed = {shape: frame is not None for shape, frame in renderer._frames.items()}
     tested = {shape: framed[shape] for shape in framed if any(("role", "user") in m for m in shape[2])}
     assert any(framed.values()) if template != "trimming" else not any(framed.values())

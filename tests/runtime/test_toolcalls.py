@@ -1,4 +1,5 @@
 """Hermes/Qwen tool-call parsing of decoded generations, malformed calls included."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,11 @@ def test_a_well_formed_call_is_parsed_and_the_text_around_it_is_the_content(pars
 
 
 def test_several_calls_are_parsed_in_order(parser):
-    text = (call_text('{"name": "bash", "arguments": {"command": "ls"}}') + "\nthen\n"
-            + call_text('{"name": "finish", "arguments": {"answer": "4"}}'))
+    text = (
+        call_text('{"name": "bash", "arguments": {"command": "ls"}}')
+        + "\nthen\n"
+        + call_text('{"name": "finish", "arguments": {"answer": "4"}}')
+    )
     result = parser.parse(text)
     assert [c.name for c in result.calls] == ["bash", "finish"]
     assert result.content == "then"
@@ -40,7 +44,9 @@ def test_text_without_tags_is_all_content_and_no_calls(parser):
 
 
 def test_invalid_json_is_reported_with_its_position_and_good_calls_still_parse(parser):
-    text = call_text('{"name": "bash", "arguments": {"command": "ls"}') + call_text('{"name": "finish", "arguments": {}}')
+    text = call_text('{"name": "bash", "arguments": {"command": "ls"}') + call_text(
+        '{"name": "finish", "arguments": {}}'
+    )
     result = parser.parse(text)
     assert [c.name for c in result.calls] == ["finish"]
     assert len(result.errors) == 1
@@ -56,7 +62,7 @@ def test_a_call_without_a_name_is_an_error_that_shows_the_expected_format(parser
 def test_arguments_that_are_not_an_object_are_an_error(parser):
     result = parser.parse(call_text('{"name": "bash", "arguments": ["ls"]}'))
     assert result.calls == []
-    assert '"arguments" of \'bash\' must be a JSON object' in result.errors[0]
+    assert "\"arguments\" of 'bash' must be a JSON object" in result.errors[0]
 
 
 def test_arguments_given_as_a_json_string_of_an_object_are_accepted(parser):
@@ -85,7 +91,7 @@ def test_an_unclosed_tag_is_an_error_and_its_body_is_not_content(parser):
 
 
 def test_a_second_open_tag_before_the_close_leaves_the_first_one_unclosed(parser):
-    result = parser.parse("<tool_call>\n{\"name\": \"a\"\n" + call_text('{"name": "b", "arguments": {}}'))
+    result = parser.parse('<tool_call>\n{"name": "a"\n' + call_text('{"name": "b", "arguments": {}}'))
     assert [c.name for c in result.calls] == ["b"]
     assert "never closed" in result.errors[0]
 
@@ -111,8 +117,11 @@ def test_format_call_is_what_the_chat_template_renders_and_parses_back(parser, t
 
 def test_a_parse_result_becomes_an_assistant_message_with_tool_calls(parser):
     result = parser.parse("Hm.\n" + call_text('{"name": "finish", "arguments": {"answer": "4"}}'))
-    assert result.as_message() == {"role": "assistant", "content": "Hm.", "tool_calls": [
-        {"type": "function", "function": {"name": "finish", "arguments": {"answer": "4"}}}]}
+    assert result.as_message() == {
+        "role": "assistant",
+        "content": "Hm.",
+        "tool_calls": [{"type": "function", "function": {"name": "finish", "arguments": {"answer": "4"}}}],
+    }
 
 
 def test_an_unknown_parser_name_lists_the_known_ones():

@@ -1,12 +1,13 @@
 """Sandboxes with real bubblewrap and a real Redis: isolation, limits, lifecycle, registry."""
+
 from __future__ import annotations
 
 import json
 import logging
 import os
-import socket
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import textwrap
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import redis
@@ -360,7 +361,6 @@ def test_singularity_without_an_image_is_a_clear_error(workspace: Path) -> None:
         ensure_image(None)
 
 
-
 def test_a_sandbox_started_from_a_short_lived_thread_outlives_it(workspace: Path) -> None:
     box = create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",)))
     starter = threading.Thread(target=box.start)
@@ -381,12 +381,26 @@ def test_the_action_server_starts_with_only_what_it_needs_imported():
 
     from rollout_service.sandbox.base import host_import_paths
 
-    heavy = ("redis", "pydantic", "rollout_service.state.store", "rollout_service.sandbox", "argparse", "subprocess", "site",
-             "typing")
-    probe = (f"import sys; sys.path[:0] = {host_import_paths()!r}; import rollout_service.tools.action_server, "
-             f"rollout_service.tools.bash; print(sorted(m for m in {heavy!r} if m in sys.modules))")
-    assert subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True,
-                          check=True).stdout.strip() == "[]"
+    heavy = (
+        "redis",
+        "pydantic",
+        "rollout_service.state.store",
+        "rollout_service.sandbox",
+        "argparse",
+        "subprocess",
+        "site",
+        "typing",
+    )
+    probe = (
+        f"import sys; sys.path[:0] = {host_import_paths()!r}; import rollout_service.tools.action_server, "
+        f"rollout_service.tools.bash; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    assert (
+        subprocess.run(
+            [sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        == "[]"
+    )
 
 
 def test_descendants_walks_only_the_subtree_and_finds_what_a_full_proc_scan_finds():
@@ -395,7 +409,9 @@ def test_descendants_walks_only_the_subtree_and_finds_what_a_full_proc_scan_find
         deadline = time.monotonic() + 5
         while len(_descendants_by_scan(tree.pid)) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert sorted(descendants(tree.pid)) == sorted(_descendants_by_scan(tree.pid)) and len(descendants(tree.pid)) == 5
+        assert (
+            sorted(descendants(tree.pid)) == sorted(_descendants_by_scan(tree.pid)) and len(descendants(tree.pid)) == 5
+        )
     finally:
         kill_tree(tree.pid)
         tree.wait()
@@ -442,8 +458,13 @@ def test_a_green_worker_spawns_sandboxes_without_forking_itself_and_stops_them_w
         print(json.dumps({{"outputs": outputs, "kinds": kinds, "pids": pids, "once": once.run(30),
                           "returncodes": [s.process.poll() is not None for s in sandboxes]}}))
     """)
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["outputs"] == ["42"] * 4 and result["kinds"] in (["Spawned"], ["Forked", "server: Spawned"])
@@ -457,7 +478,8 @@ def test_a_one_shot_sandbox_runs_its_script_confined_and_returns_its_output(work
         "print('args', sys.argv[1:], 'cwd', os.getcwd())\n"
         "print('nproc', resource.getrlimit(resource.RLIMIT_NPROC)[0], 'uid0', os.getuid() == 0)\n"
         "print('network', open('/proc/net/dev').read().count(':'))\n"
-        "sys.stderr.write('to stderr\\n'); sys.exit(3)\n")
+        "sys.stderr.write('to stderr\\n'); sys.exit(3)\n"
+    )
     spec = SandboxSpec("one-shot", str(workspace), max_procs=77, script=("/workspace/probe.py", "a b", "c"))
     exit_code, output = create_sandbox("bwrap", spec).run(timeout_s=30)
     assert exit_code == 3
@@ -474,11 +496,14 @@ def test_a_one_shot_script_past_its_time_is_killed_with_everything_it_started(wo
         "import os, subprocess, time\n"
         "subprocess.Popen(['sleep', '301.25'], start_new_session=True)\n"
         "print('started', flush=True)\n"
-        "time.sleep(300)\n")
+        "time.sleep(300)\n"
+    )
     box = create_sandbox("bwrap", SandboxSpec("hang", str(workspace), script=("/workspace/hang.py",)))
     began = time.monotonic()
     exit_code, output = box.run(timeout_s=1.0)
-    assert exit_code is None and time.monotonic() - began < 10 and output.startswith("started")  # what it printed is kept
+    assert (
+        exit_code is None and time.monotonic() - began < 10 and output.startswith("started")
+    )  # what it printed is kept
     time.sleep(0.2)
     assert not [pid for pid in alive([box.process.pid]) if "sleep" in command_of(pid) or "bwrap" in command_of(pid)]
     assert not any("sleep 301.25" in command_of(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
@@ -515,8 +540,9 @@ def test_forked_sandboxes_share_nothing_and_die_with_their_fork_server(tmp_path:
             box.stop()
 
 
-def test_a_forked_sandboxs_tool_server_is_its_pid_1_and_reaps_the_orphans_it_inherits(workspace: Path,
-                                                                                     bwrap_mode: str) -> None:
+def test_a_forked_sandboxs_tool_server_is_its_pid_1_and_reaps_the_orphans_it_inherits(
+    workspace: Path, bwrap_mode: str
+) -> None:
     if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
         pytest.skip("the fork server serves root workers")
     with create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))) as box:
@@ -531,7 +557,8 @@ def test_a_forked_sandboxs_tool_server_is_its_pid_1_and_reaps_the_orphans_it_inh
 
 
 def test_a_forked_sandbox_boots_at_its_fork_servers_lowered_priority_and_serves_at_its_own(
-        workspace: Path, bwrap_mode: str) -> None:
+    workspace: Path, bwrap_mode: str
+) -> None:
     """A wave of boots yields to the worker starting episodes; the tools the agent waits for do not."""
     if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
         pytest.skip("the fork server serves root workers")
@@ -547,7 +574,9 @@ def test_a_forked_sandbox_boots_at_its_fork_servers_lowered_priority_and_serves_
         assert bash(box, "nice")["output"] == "0"
 
 
-def test_a_forked_sandbox_whose_worker_stopped_reading_its_status_ends_quietly(workspace: Path, bwrap_mode: str) -> None:
+def test_a_forked_sandbox_whose_worker_stopped_reading_its_status_ends_quietly(
+    workspace: Path, bwrap_mode: str
+) -> None:
     if not bwrap_mode.startswith("forked") or os.geteuid() != 0:
         pytest.skip("the fork server serves root workers")
     box = create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",)))
@@ -567,8 +596,9 @@ def test_a_forked_sandbox_whose_worker_stopped_reading_its_status_ends_quietly(w
         box.stop()
 
 
-def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_call(workspace: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_call(
+    workspace: Path, tmp_path: Path
+) -> None:
     from rollout_service.sandbox.base import BackgroundStart
 
     starting = BackgroundStart(create_sandbox("bwrap", SandboxSpec("j", str(workspace), tools=("bash",))))
@@ -588,7 +618,8 @@ def test_a_sandbox_started_in_the_background_is_waited_for_by_the_first_tool_cal
 
 
 def test_sandboxes_stopped_in_the_background_are_torn_down_a_few_at_a_time_and_all_of_them(
-        workspace: Path, bwrap_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    workspace: Path, bwrap_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A step's end stops hundreds at once: they take turns, so the episodes still running keep the CPU."""
     from rollout_service.sandbox import base
 
@@ -606,11 +637,14 @@ def test_sandboxes_stopped_in_the_background_are_torn_down_a_few_at_a_time_and_a
             real_stop(self)
         finally:
             inside[0] -= 1
+
     monkeypatch.setattr(base.ServerSandbox, "stop", counted_stop)
     for i in range(5):
         (workspace / f"w{i}").mkdir()  # one each: a sandbox owns its workspace
-    boxes = [base.BackgroundStart(create_sandbox("bwrap", SandboxSpec(f"j{i}", str(workspace / f"w{i}"),
-                                                                      tools=("bash",)))) for i in range(5)]
+    boxes = [
+        base.BackgroundStart(create_sandbox("bwrap", SandboxSpec(f"j{i}", str(workspace / f"w{i}"), tools=("bash",))))
+        for i in range(5)
+    ]
     pids = []
     for box in boxes:
         assert box.execute("bash", {"command": "echo up"}, 30)["output"] == "up"
@@ -622,11 +656,18 @@ def test_sandboxes_stopped_in_the_background_are_torn_down_a_few_at_a_time_and_a
 
 
 def test_a_one_shot_module_runs_its_main_confined_and_the_code_grader_grades_that_way(workspace: Path) -> None:
-    grading = {"program": "def f():\n    return 1\n", "tests": ["assert f() == 1", "assert f() == 2"],
-               "timeout_s": 5, "budget_s": 20, "nonce": "n0nce", "site_paths": []}
+    grading = {
+        "program": "def f():\n    return 1\n",
+        "tests": ["assert f() == 1", "assert f() == 2"],
+        "timeout_s": 5,
+        "budget_s": 20,
+        "nonce": "n0nce",
+        "site_paths": [],
+    }
     (workspace / "grading.json").write_text(json.dumps(grading))
-    spec = SandboxSpec("grade", str(workspace), script=("module:rollout_service.tools.code_runner",
-                                                        "/workspace/grading.json"))
+    spec = SandboxSpec(
+        "grade", str(workspace), script=("module:rollout_service.tools.code_runner", "/workspace/grading.json")
+    )
     exit_code, output = create_sandbox("bwrap", spec).run(timeout_s=30)
     assert exit_code == 0, output
     results = json.loads(output.strip().splitlines()[-1].split(" ", 1)[1])
@@ -681,8 +722,12 @@ def sandboxes_alive_gauge(redis_client: redis.Redis) -> float:
 
     from rollout_service.gateway.metrics import render
 
-    return next(s.value for family in text_string_to_metric_families(render(redis_client))
-                for s in family.samples if s.name == "rollout_sandboxes_alive")
+    return next(
+        s.value
+        for family in text_string_to_metric_families(render(redis_client))
+        for s in family.samples
+        if s.name == "rollout_sandboxes_alive"
+    )
 
 
 @pytest.fixture
@@ -698,16 +743,26 @@ def private_scratch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 @pytest.mark.parametrize("ending", ["SIGKILL", "SIGTERM", "exits while stopping sandboxes in the background"])
 def test_a_worker_that_dies_leaves_no_scratch_directory_process_or_registration_once_reaped(
-        tmp_path: Path, private_scratch: Path, redis_client: redis.Redis, redis_url: str,
-        monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    tmp_path: Path,
+    private_scratch: Path,
+    redis_client: redis.Redis,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    ending: str,
+) -> None:
     monkeypatch.setenv("ROLLOUT_SANDBOX_CONCURRENT_STOPS", "1")
     (tmp_path / "ours").mkdir()
-    ours = create_sandbox("bwrap", SandboxSpec("ours", str(tmp_path / "ours"), tools=("bash",), ttl_s=600),
-                          redis_client)
+    ours = create_sandbox(
+        "bwrap", SandboxSpec("ours", str(tmp_path / "ours"), tools=("bash",), ttl_s=600), redis_client
+    )
     ours.start()
     try:
-        worker = subprocess.Popen([sys.executable, "-c", LEAVING_WORKER, redis_url, str(tmp_path / "w"), ending],
-                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+        worker = subprocess.Popen(
+            [sys.executable, "-c", LEAVING_WORKER, redis_url, str(tmp_path / "w"), ending],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )
         pids = json.loads(worker.stdout.readline() or "[]")
         assert len(pids) >= 6 and sandboxes_alive_gauge(redis_client) >= 3  # ours and its two serving
         if ending.startswith("SIG"):
@@ -721,7 +776,8 @@ def test_a_worker_that_dies_leaves_no_scratch_directory_process_or_registration_
         assert wait_until(lambda: not alive(pids), timeout_s=10), [command_of(p) for p in alive(pids)]
         assert scratch_entries(private_scratch) == [Path(ours.socket_dir).name]
         assert sandboxes_alive_gauge(redis_client) == 1 and redis_client.zrange(EXPIRY_KEY, 0, -1) == [
-            ours.sandbox_id.encode()]
+            ours.sandbox_id.encode()
+        ]
         assert bash(ours, "echo still serving")["output"] == "still serving"
     finally:
         ours.stop()

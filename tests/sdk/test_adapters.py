@@ -4,6 +4,7 @@ functions, OpenRLHF 0.11.2's ``Experience`` built by its own ``_process_response
 (taken from the installed module's source: the module itself imports vLLM at the top), TRL 1.16's
 ``rollout_func`` keys, and a mirror of slime's ``Sample`` (slime is not on PyPI). Every segment of
 a multi-segment (history-rewriting harness) trajectory becomes a sample of its own."""
+
 from __future__ import annotations
 
 import ast
@@ -12,13 +13,13 @@ import enum
 import json
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
-from rollout_service.sdk.adapters import adapter, segments_of, to_openrlhf, to_slime, to_trl, to_verl
 from rollout_service.errors import TrainerFormatError
 from rollout_service.schemas import FinishReason, Trajectory
+from rollout_service.sdk.adapters import adapter, segments_of, to_openrlhf, to_slime, to_trl, to_verl
 from tests.helpers import TOOL_LOOP_HARNESS
 
 PAD = 0
@@ -26,7 +27,7 @@ PROMPT_LENGTH, RESPONSE_LENGTH = 512, 256
 
 
 def tool_call(name: str, **arguments: object) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +38,47 @@ def recorded(service, tmp_path_factory, tiny_tokenizer_dir) -> list[Trajectory]:
     from rollout_service.devtools.reference_server import ReferenceServerProcess
 
     tag = uuid.uuid4().hex[:6]
-    script = {"episodes": [
-        {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
-        {"match": f"Tools {tag}", "turns": ["Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"),
-                                             "It is \\boxed{4}.\n" + tool_call("finish", answer="\\boxed{4}")]},
-        {"match": f"Plain {tag}", "turns": ["I believe it is \\boxed{5}."]},
-        {"match": f"Harness {tag}", "turns": ["Let me check.\n" + tool_call("shell", command="echo hi"),
-                                               tool_call("shell", command="python -c 'print(2 + 2)'"),
-                                               "The answer is \\boxed{4}."]},
-    ]}
+    script = {
+        "episodes": [
+            {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
+            {
+                "match": f"Tools {tag}",
+                "turns": [
+                    "Let me compute.\n" + tool_call("ipython", code="print(2 + 2)"),
+                    "It is \\boxed{4}.\n" + tool_call("finish", answer="\\boxed{4}"),
+                ],
+            },
+            {"match": f"Plain {tag}", "turns": ["I believe it is \\boxed{5}."]},
+            {
+                "match": f"Harness {tag}",
+                "turns": [
+                    "Let me check.\n" + tool_call("shell", command="echo hi"),
+                    tool_call("shell", command="python -c 'print(2 + 2)'"),
+                    "The answer is \\boxed{4}.",
+                ],
+            },
+        ]
+    }
     directory = tmp_path_factory.mktemp("adapters")
     (directory / "script.json").write_text(json.dumps(script))
     server = ReferenceServerProcess(
         ["--script", str(directory / "script.json"), "--tokenizer", str(tiny_tokenizer_dir)],
-        port=free_port(), log_path=directory / "server.log").start()
+        port=free_port(),
+        log_path=directory / "server.log",
+    ).start()
     with service.client() as client:
         backend = client.add_backend(server.url, "vllm", f"adapters-{tag}", tokenizer=str(tiny_tokenizer_dir))
         try:
             fields: dict[str, Any] = {"sampling": {"model": f"adapters-{tag}"}}
-            ids = [client.submit({"domain": "math", "problem": f"{kind} {tag}", "answer": "4"}, **fields).job_ids[0]
-                   for kind in ("Tools", "Plain")]
-            ids += client.submit({"domain": "math", "problem": f"Harness {tag}", "answer": "4"}, **fields,
-                                 agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}}).job_ids
+            ids = [
+                client.submit({"domain": "math", "problem": f"{kind} {tag}", "answer": "4"}, **fields).job_ids[0]
+                for kind in ("Tools", "Plain")
+            ]
+            ids += client.submit(
+                {"domain": "math", "problem": f"Harness {tag}", "answer": "4"},
+                **fields,
+                agent={"harness": {"command": ["python", "-c", TOOL_LOOP_HARNESS]}},
+            ).job_ids
             views = client.wait(ids, timeout_s=120)
             assert [v.status.value for v in views] == ["completed"] * 3, [v.error for v in views]
             trajectories = [client.trajectory(i) for i in ids]
@@ -86,7 +106,7 @@ def test_every_adapter_keeps_every_segment_of_a_rewritten_history_or_refuses_it(
     assert int(verl["batch"]["response_mask"].sum()) == generated
     assert verl["non_tensor_batch"]["segment_index"].tolist() == [0, 0, 0, 1]
     slime = to_slime(recorded)
-    assert [s["tokens"][-s["response_length"]:] for s in slime] == [s.response_ids for _, _, s in rows]
+    assert [s["tokens"][-s["response_length"] :] for s in slime] == [s.response_ids for _, _, s in rows]
     assert sum(sum(s["loss_mask"]) for s in slime) == generated
     openrlhf = to_openrlhf(recorded)
     assert sum(end - start for s in openrlhf for start, end in s["action_ranges"]) == generated
@@ -104,25 +124,34 @@ def test_verl_loads_the_batch_as_a_dataproto_reads_its_rewards_and_concatenates_
     from verl.trainer.ppo.reward import extract_reward
 
     rows = every_segment(recorded)
-    chunks = [DataProto.from_dict(**dict(zip(("tensors", "non_tensors", "meta_info"),
-                                             to_verl(part, PAD, PROMPT_LENGTH, RESPONSE_LENGTH).values())))
-              for part in (recorded[:1], recorded[1:])]
+    chunks = [
+        DataProto.from_dict(
+            **dict(
+                zip(
+                    ("tensors", "non_tensors", "meta_info"), to_verl(part, PAD, PROMPT_LENGTH, RESPONSE_LENGTH).values()
+                )
+            )
+        )
+        for part in (recorded[:1], recorded[1:])
+    ]
     data = DataProto.concat(chunks)
     assert len(data) == 4
     batch = data.batch
     assert batch["input_ids"].shape == (4, PROMPT_LENGTH + RESPONSE_LENGTH)
     assert batch["rollout_log_probs"].dtype == torch.float32
-    for row, (i, j, segment) in enumerate(rows):
+    for row, (_, _, segment) in enumerate(rows):
         prompt_part = batch["attention_mask"][row, :PROMPT_LENGTH].bool()
         response_part = batch["attention_mask"][row, PROMPT_LENGTH:].bool()
         assert batch["prompts"][row][prompt_part].tolist() == segment.prompt_ids
         assert not prompt_part[: PROMPT_LENGTH - len(segment.prompt_ids)].any()  # left padding
         assert batch["responses"][row][response_part].tolist() == segment.response_ids
         assert batch["response_mask"][row][response_part].tolist() == segment.loss_mask
-        assert torch.equal(batch["rollout_log_probs"][row][response_part],
-                           torch.tensor(segment.logprobs, dtype=torch.float32))
+        assert torch.equal(
+            batch["rollout_log_probs"][row][response_part], torch.tensor(segment.logprobs, dtype=torch.float32)
+        )
         assert batch["position_ids"][row][batch["attention_mask"][row].bool()].tolist() == list(
-            range(len(segment.prompt_ids) + len(segment.response_ids)))
+            range(len(segment.prompt_ids) + len(segment.response_ids))
+        )
     assert data.non_tensor_batch["__num_turns__"].tolist() == [len(s.turns) for _, _, s in rows]
     assert data.non_tensor_batch["trajectory_index"].tolist() == [0, 0, 1, 1]  # per chunk
     assert data.non_tensor_batch["truncated"].tolist() == [False] * 4
@@ -147,15 +176,16 @@ def test_verl_refuses_a_segment_longer_than_its_fixed_widths_and_takes_group_uid
 def openrlhf_process_response() -> Any:
     """OpenRLHF's own ``SamplesGenerator._process_response_into_experience``, compiled from the
     installed module's source with the names it uses (the module imports vLLM at its top)."""
+    import openrlhf
     import torch
     from openrlhf.trainer.ppo_utils import experience
-    import openrlhf
 
     source = (Path(openrlhf.__file__).parent / "trainer/ppo_utils/samples_generator.py").read_text()
     module = ast.parse(source)
     generator = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "SamplesGenerator")
-    method = next(n for n in generator.body if isinstance(n, ast.FunctionDef)
-                  and n.name == "_process_response_into_experience")
+    method = next(
+        n for n in generator.body if isinstance(n, ast.FunctionDef) and n.name == "_process_response_into_experience"
+    )
     namespace: dict[str, Any] = {"torch": torch, "Experience": experience.Experience}
     exec(compile(ast.Module(body=[method], type_ignores=[]), "samples_generator.py", "exec"), namespace)
     return namespace["_process_response_into_experience"]
@@ -166,14 +196,14 @@ def test_openrlhf_builds_its_experiences_from_the_samples_with_actions_and_logpr
 
     process = openrlhf_process_response()
     rows = every_segment(recorded)
-    for sample, (i, j, segment) in zip(to_openrlhf(recorded, prompts=["p0", "p1", "p2"]), rows):
+    for sample, (i, _, segment) in zip(to_openrlhf(recorded, prompts=["p0", "p1", "p2"]), rows):
         exp = process(None, sample, max_len=4096)
         n_prompt = len(segment.prompt_ids)
         assert exp.sequences[0].tolist() == segment.prompt_ids + segment.response_ids
         # OpenRLHF's action_mask and rollout_log_probs are shifted by one: position k scores token k + 1
-        assert exp.action_mask[0, n_prompt - 1:].tolist() == segment.loss_mask
-        assert not exp.action_mask[0, :n_prompt - 1].any()
-        assert torch.equal(exp.rollout_log_probs[0, n_prompt - 1:], torch.tensor(segment.logprobs))
+        assert exp.action_mask[0, n_prompt - 1 :].tolist() == segment.loss_mask
+        assert not exp.action_mask[0, : n_prompt - 1].any()
+        assert torch.equal(exp.rollout_log_probs[0, n_prompt - 1 :], torch.tensor(segment.logprobs))
         assert exp.rewards.tolist() == [recorded[i].reward] and exp.prompts == [f"p{i}"]
         assert exp.truncated.tolist() == [False]
 
@@ -190,22 +220,22 @@ class SlimeSample:
         ABORTED = "aborted"
         FAILED = "failed"
 
-    group_index: Optional[int] = None
-    index: Optional[int] = None
+    group_index: int | None = None
+    index: int | None = None
     prompt: Any = ""
     tokens: list[int] = dataclasses.field(default_factory=list)
     response: str = ""
     response_length: int = 0
-    label: Optional[str] = None
+    label: str | None = None
     reward: Any = None
-    loss_mask: Optional[list[int]] = None
+    loss_mask: list[int] | None = None
     weight_versions: list[str] = dataclasses.field(default_factory=list)
-    rollout_log_probs: Optional[list[float]] = None
-    status: "SlimeSample.Status" = Status.PENDING
+    rollout_log_probs: list[float] | None = None
+    status: SlimeSample.Status = Status.PENDING
     metadata: dict = dataclasses.field(default_factory=dict)
 
     @staticmethod
-    def from_dict(data: dict) -> "SlimeSample":
+    def from_dict(data: dict) -> SlimeSample:
         data = {**data, "status": SlimeSample.Status(data["status"])}
         names = {f.name for f in dataclasses.fields(SlimeSample)}
         sample = SlimeSample(**{k: v for k, v in data.items() if k in names})

@@ -1,6 +1,7 @@
 """TRL 1.16's GRPOTrainer trains the tiny model on rollouts from the service (real gateway, Celery
 workers, bwrap sandboxes, a reference engine serving the same weights): the weight-sync callback
 pushes each step's weights, so every step's rollouts come from the policy being trained."""
+
 from __future__ import annotations
 
 import shutil
@@ -26,8 +27,9 @@ def engine(tmp_path, tiny_model_dir):
     from rollout_service.devtools.reference_server import ReferenceServerProcess
 
     weights = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
-    server = ReferenceServerProcess(["--model", str(weights)], port=free_port(),
-                                    log_path=tmp_path / "engine.log").start()
+    server = ReferenceServerProcess(
+        ["--model", str(weights)], port=free_port(), log_path=tmp_path / "engine.log"
+    ).start()
     yield server.url, weights
     server.stop()
 
@@ -39,8 +41,10 @@ def test_grpo_trainer_pushes_weights_every_step_and_the_rollouts_stay_on_policy(
 
     url, weights = engine
     name = f"trl-{uuid.uuid4().hex[:6]}"
-    tasks = [{"domain": "math", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
-             for a, b in [(2, 3), (4, 5), (6, 1), (7, 2)]]
+    tasks = [
+        {"domain": "math", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a, b in [(2, 3), (4, 5), (6, 1), (7, 2)]
+    ]
     outputs: list[dict[str, Any]] = []
     with service.client() as client:
         backend = client.add_backend(url, "reference", name, tokenizer=str(weights))
@@ -48,9 +52,15 @@ def test_grpo_trainer_pushes_weights_every_step_and_the_rollouts_stay_on_policy(
         base = client.resume(policy_version=max(b.policy_version for b in client.backends()) + 3)["policy_version"]
         try:
             rollouts = ServiceRollouts(
-                client, tasks, model=name, sync_dir=tmp_path / "sync", check_logprobs=True,
+                client,
+                tasks,
+                model=name,
+                sync_dir=tmp_path / "sync",
+                check_logprobs=True,
                 sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 12},
-                agent={"max_turns": 1, "tools": []}, timeouts={"job_s": 120})
+                agent={"max_turns": 1, "tools": []},
+                timeouts={"job_s": 120},
+            )
 
             def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
                 outputs.append(rollouts(prompts, trainer))
@@ -61,11 +71,25 @@ def test_grpo_trainer_pushes_weights_every_step_and_the_rollouts_stay_on_policy(
                 model=AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32),
                 processing_class=AutoTokenizer.from_pretrained(weights),
                 reward_funcs=[service_reward, distinct_characters],
-                args=GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                                max_completion_length=12, max_steps=2, learning_rate=5e-3, logging_steps=1,
-                                save_strategy="no", report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
-                                seed=0),
-                train_dataset=rollouts.dataset(), rollout_func=rollout_func, callbacks=[rollouts.weight_sync()])
+                args=GRPOConfig(
+                    output_dir=str(tmp_path / "out"),
+                    per_device_train_batch_size=4,
+                    num_generations=4,
+                    max_completion_length=12,
+                    max_steps=2,
+                    learning_rate=5e-3,
+                    logging_steps=1,
+                    save_strategy="no",
+                    report_to="none",
+                    use_cpu=True,
+                    bf16=False,
+                    disable_tqdm=True,
+                    seed=0,
+                ),
+                train_dataset=rollouts.dataset(),
+                rollout_func=rollout_func,
+                callbacks=[rollouts.weight_sync()],
+            )
             trainer.train()
             served = {b.id: b for b in client.backends()}[backend.id]
         finally:
@@ -74,7 +98,9 @@ def test_grpo_trainer_pushes_weights_every_step_and_the_rollouts_stay_on_policy(
     steps = [row for row in trainer.state.log_history if "rollout/wall_s" in row]
     assert [row["step"] for row in steps] == [1, 2]
     assert [(row["rollout/policy_version_min"], row["rollout/policy_version_max"]) for row in steps] == [
-        (base, base), (base + 1, base + 1)]
+        (base, base),
+        (base + 1, base + 1),
+    ]
     assert [row["sync/policy_version"] for row in steps] == [base + 1, base + 2] and served.policy_version == base + 2
     for row in steps:
         assert row["rollout/logprob_gap_max"] < 1e-4  # importance ratio exp(gap) within 1e-4 of 1, every step

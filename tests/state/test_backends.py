@@ -1,17 +1,18 @@
 """BackendPool against a real Redis; probes against real HTTP servers on 127.0.0.1."""
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
 
 import pytest
 import redis
 
-from rollout_service.state.backends import BackendPool, backend_id_for
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
 from rollout_service.schemas import BackendSpec
+from rollout_service.state.backends import BackendPool, backend_id_for
 
 MODEL = "tiny-model"
 
@@ -51,8 +52,7 @@ def assert_exact(pool: BackendPool, r: redis.Redis) -> None:
 def test_register_is_idempotent_per_url_and_defaults_tokenizer(pool: BackendPool) -> None:
     view = pool.register(spec(9001))
     assert view.id == backend_id_for("http://127.0.0.1:9001/")
-    assert (view.tokenizer, view.healthy, view.live_assignments, view.total_assignments) == (
-        MODEL, True, 0, 0)
+    assert (view.tokenizer, view.healthy, view.live_assignments, view.total_assignments) == (MODEL, True, 0, 0)
     pool.acquire("job-1", None)
     again = pool.register(spec(9001, tokenizer="/models/tok"))
     assert again.id == view.id and again.tokenizer == "/models/tok"
@@ -203,7 +203,8 @@ def test_none_healthy_names_the_failing_servers(pool: BackendPool) -> None:
 
 
 def test_concurrent_acquire_release_leaves_every_score_at_zero(
-        pool: BackendPool, redis_url: str, redis_client: redis.Redis) -> None:
+    pool: BackendPool, redis_url: str, redis_client: redis.Redis
+) -> None:
     """8 threads x 500 cycles. Threads work in pairs on the same job ids, as a redelivered task
     running alongside the original would: both acquire concurrently, both release."""
     ids = register(pool, 4)
@@ -266,12 +267,12 @@ def test_concurrent_acquire_release_leaves_every_score_at_zero(
     assert sum(view.total_assignments for view in views) == threads // 2 * cycles
     assert all(view.total_assignments > 0 for view in views)
     assert redis_client.zrange(f"t:backend:heap:{MODEL}", 0, -1, withscores=True) == [
-        (i.encode(), 0.0) for i in sorted(ids)]
+        (i.encode(), 0.0) for i in sorted(ids)
+    ]
     assert redis_client.keys("t:backend:job:*") == []
 
 
-def test_concurrent_moves_keep_counts_exact(pool: BackendPool, redis_url: str,
-                                            redis_client: redis.Redis) -> None:
+def test_concurrent_moves_keep_counts_exact(pool: BackendPool, redis_url: str, redis_client: redis.Redis) -> None:
     ids = register(pool, 3)
     jobs = [f"j{k}" for k in range(60)]
     for job in jobs:
@@ -335,7 +336,8 @@ def servers() -> Iterator[list[HealthServer]]:
 
 
 def test_probe_needs_two_failures_to_mark_unhealthy_and_one_success_to_recover(
-        pool: BackendPool, servers: list[HealthServer]) -> None:
+    pool: BackendPool, servers: list[HealthServer]
+) -> None:
     up, flaky = (pool.register(spec(s.port)).id for s in servers)
     assert pool.probe(timeout_s=1.0) == {up: True, flaky: True}
     servers[1].status = 503
@@ -346,8 +348,9 @@ def test_probe_needs_two_failures_to_mark_unhealthy_and_one_success_to_recover(
     assert pool.probe(timeout_s=1.0) == {up: True, flaky: True}
 
 
-def test_probe_rounds_share_one_http_client(pool: BackendPool, servers: list[HealthServer],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_probe_rounds_share_one_http_client(
+    pool: BackendPool, servers: list[HealthServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Making an httpx client costs 20-60 ms of CPU; the control worker probes every few seconds."""
     import httpx
 
@@ -365,7 +368,8 @@ def test_probe_rounds_share_one_http_client(pool: BackendPool, servers: list[Hea
 
 
 def test_a_killed_server_is_probed_out_and_its_jobs_finish_on_the_survivor(
-        pool: BackendPool, servers: list[HealthServer], redis_client: redis.Redis) -> None:
+    pool: BackendPool, servers: list[HealthServer], redis_client: redis.Redis
+) -> None:
     survivor, victim = (pool.register(spec(s.port)).id for s in servers)
     jobs = [f"j{k}" for k in range(6)]
     for job in jobs:
@@ -478,7 +482,8 @@ def test_no_call_starts_while_paused_under_concurrency(pool: BackendPool, redis_
 
 
 def test_a_first_call_sent_with_the_stage_begin_counts_like_start_call_and_an_unused_one_is_undone(
-        pool: BackendPool, redis_client: redis.Redis) -> None:
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
     """The run worker sends a job's first start_call with its stage's begin, before it knows the job:
     only a job whose init recorded a first-call model gets one; one the episode does not use is
     ended, and its assignment released only if this call made it."""
@@ -523,7 +528,8 @@ def test_a_call_gate_is_refused_while_paused_expires_unless_renewed_and_can_be_r
 
 
 def test_a_busy_gate_stays_open_through_a_pause_until_released_and_a_lapsed_one_is_not_opened_again(
-        pool: BackendPool) -> None:
+    pool: BackendPool,
+) -> None:
     assert pool.renew_busy_gate("worker-a", 1.0, True) == (0, False)  # a new gate: it held nothing before
     assert pool.renew_busy_gate("worker-a", 1.0, True) == (0, True)
     pool.pause(30)
@@ -544,7 +550,8 @@ def test_a_busy_gate_stays_open_through_a_pause_until_released_and_a_lapsed_one_
 
 
 def test_a_call_under_a_gate_checks_the_cancel_flag_and_the_assignment_without_a_count(
-        pool: BackendPool, redis_client: redis.Redis) -> None:
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
     backend = pool.register(BackendSpec(url="http://gated:1", kind="vllm", model="m"))
     pool.acquire("job-1", "m")
     job_key = "rollout:job:job-1"
@@ -559,7 +566,8 @@ def test_a_call_under_a_gate_checks_the_cancel_flag_and_the_assignment_without_a
 
 
 def test_a_worker_gate_counts_its_calls_through_a_pause_and_a_call_it_did_not_hold_does_not_count(
-        pool: BackendPool, redis_client: redis.Redis) -> None:
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
     from rollout_service.runtime.llm import CallGate
 
     pool = BackendPool(redis_client)  # the prefix the run workers' gates use
@@ -602,7 +610,9 @@ def test_registering_a_backend_whose_tokenizer_cannot_be_loaded_offline_is_a_400
 
     url = scripted_server({"episodes": []})
     started = time.monotonic()
-    named = httpx.post(f"{service.url}/v1/backends", json={"url": url, "kind": "vllm", "model": "m", "tokenizer": "tiny"})
+    named = httpx.post(
+        f"{service.url}/v1/backends", json={"url": url, "kind": "vllm", "model": "m", "tokenizer": "tiny"}
+    )
     defaulted = httpx.post(f"{service.url}/v1/backends", json={"url": url, "kind": "vllm", "model": "no-such-model"})
     assert time.monotonic() - started < 5
     for answer, name in ((named, "'tiny'"), (defaulted, "'no-such-model'")):
@@ -615,15 +625,20 @@ def test_registering_a_backend_whose_tokenizer_cannot_be_loaded_offline_is_a_400
 
 
 def test_a_new_backend_is_healthy_only_if_it_answers_its_health_probe_at_registration(
-        client, scripted_server, tiny_tokenizer_dir):
+    client, scripted_server, tiny_tokenizer_dir
+):
     from rollout_service.devtools.redis_server import free_port
 
-    answering = client.add_backend(scripted_server({"episodes": []}), "vllm", "probed", tokenizer=str(tiny_tokenizer_dir))
+    answering = client.add_backend(
+        scripted_server({"episodes": []}), "vllm", "probed", tokenizer=str(tiny_tokenizer_dir)
+    )
     silent = client.add_backend(f"http://127.0.0.1:{free_port()}", "vllm", "probed", tokenizer=str(tiny_tokenizer_dir))
     try:
         assert answering.healthy and not silent.healthy
         assert {b.id: b.healthy for b in client.backends() if b.model == "probed"} == {
-            answering.id: True, silent.id: False}
+            answering.id: True,
+            silent.id: False,
+        }
     finally:
         client.remove_backend(answering.id)
         client.remove_backend(silent.id)
@@ -647,18 +662,32 @@ def test_weights_loaded_moves_the_version_and_a_resume_in_the_same_pause_keeps_i
 
 
 def test_a_call_that_a_sync_spanned_records_the_version_it_ended_under(pool: BackendPool) -> None:
-    from rollout_service.schemas import FinishReason
     from rollout_service.runtime.trajectory import TrajectoryBuilder
+    from rollout_service.schemas import FinishReason
 
     record = TrajectoryBuilder([1, 2], [])
     assert pool.begin_call("frozen") == 0 and pool.begin_call("quick") == 0
-    record.add_generation([3], [-0.1], backend_id="b", policy_version=0, finish_reason="stop", latency_s=0.1,
-                          ended_under=pool.end_call("quick"))
+    record.add_generation(
+        [3],
+        [-0.1],
+        backend_id="b",
+        policy_version=0,
+        finish_reason="stop",
+        latency_s=0.1,
+        ended_under=pool.end_call("quick"),
+    )
     pool.pause(60)  # keep mode: the engine holds "frozen" while the weights change
     pool.weights_loaded(4)
     pool.resume(4)
-    record.add_generation([4], [-0.2], backend_id="b", policy_version=0, finish_reason="stop", latency_s=2.0,
-                          ended_under=pool.end_call("frozen"))
+    record.add_generation(
+        [4],
+        [-0.2],
+        backend_id="b",
+        policy_version=0,
+        finish_reason="stop",
+        latency_s=2.0,
+        ended_under=pool.end_call("frozen"),
+    )
     turns = record.build(FinishReason.finished).turns
     assert [(t.policy_version, t.resumed_under) for t in turns] == [(0, None), (0, 4)]
     assert pool.inflight_calls() == 0
@@ -675,7 +704,9 @@ def test_pause_and_resume_reach_every_engine_and_report_each(service, client, sc
 
     urls = [scripted_server({"episodes": []}) for _ in range(2)]
     backends = [client.add_backend(url, "reference", "controlled", tokenizer=str(tiny_tokenizer_dir)) for url in urls]
-    dead = client.add_backend(f"http://127.0.0.1:{free_port()}", "vllm", "controlled", tokenizer=str(tiny_tokenizer_dir))
+    dead = client.add_backend(
+        f"http://127.0.0.1:{free_port()}", "vllm", "controlled", tokenizer=str(tiny_tokenizer_dir)
+    )
     try:
         for mode in ("keep", "wait"):
             paused = client.pause(mode=mode, ttl_s=60)
@@ -706,32 +737,41 @@ def test_pause_and_resume_reach_every_engine_and_report_each(service, client, sc
 
 
 def test_update_weights_loads_every_engine_of_the_model_and_names_those_that_failed(
-        service, client, scripted_server, tiny_tokenizer_dir, tiny_model_dir, tmp_path):
+    service, client, scripted_server, tiny_tokenizer_dir, tiny_model_dir, tmp_path
+):
     import httpx
 
-    from rollout_service.errors import ApiError
     from rollout_service.devtools.redis_server import free_port
     from rollout_service.devtools.reference_server import ReferenceServerProcess
+    from rollout_service.errors import ApiError
 
-    engine = ReferenceServerProcess(["--model", str(tiny_model_dir)], port=free_port(),
-                                    log_path=tmp_path / "engine.log").start()
+    engine = ReferenceServerProcess(
+        ["--model", str(tiny_model_dir)], port=free_port(), log_path=tmp_path / "engine.log"
+    ).start()
     loaded = client.add_backend(engine.url, "reference", "reloaded", tokenizer=str(tiny_model_dir))
     try:
-        for path, problem in (("relative/dir", "absolute"), (str(tmp_path / "nowhere"), "not a directory"),
-                              (str(tmp_path), "no config.json")):
-            answer = httpx.post(f"{service.url}/v1/backends/update_weights",
-                                json={"model_path": path, "model": "reloaded"})
+        for path, problem in (
+            ("relative/dir", "absolute"),
+            (str(tmp_path / "nowhere"), "not a directory"),
+            (str(tmp_path), "no config.json"),
+        ):
+            answer = httpx.post(
+                f"{service.url}/v1/backends/update_weights", json={"model_path": path, "model": "reloaded"}
+            )
             assert answer.status_code == 400 and "`model_path`" in answer.json()["error"]["message"]
             assert problem in answer.json()["error"]["message"] and path in answer.json()["error"]["message"]
-        unknown = httpx.post(f"{service.url}/v1/backends/update_weights",
-                             json={"model_path": str(tiny_model_dir), "model": "no-such-pool"})
+        unknown = httpx.post(
+            f"{service.url}/v1/backends/update_weights",
+            json={"model_path": str(tiny_model_dir), "model": "no-such-pool"},
+        )
         assert unknown.status_code == 400 and "no-such-pool" in unknown.json()["error"]["message"]
         before = client.backends()[0].policy_version
         done = client.update_weights(str(tiny_model_dir), model="reloaded")
         assert done["policy_version"] == before + 1 and [e["ok"] for e in done["engines"]] == [True]
         assert httpx.get(f"{engine.url}/health").json()["weights_version"] == 1
-        scripted = client.add_backend(scripted_server({"episodes": []}), "reference", "reloaded",
-                                      tokenizer=str(tiny_tokenizer_dir))
+        scripted = client.add_backend(
+            scripted_server({"episodes": []}), "reference", "reloaded", tokenizer=str(tiny_tokenizer_dir)
+        )
         try:
             with pytest.raises(ApiError) as failed:
                 client.update_weights(str(tiny_model_dir), model="reloaded", policy_version=before + 9)
@@ -747,7 +787,8 @@ def test_update_weights_loads_every_engine_of_the_model_and_names_those_that_fai
 
 
 def test_the_run_stage_begin_makes_the_first_call_in_the_same_script_only_for_a_job_it_begins(
-        pool: BackendPool, redis_client: redis.Redis) -> None:
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
     """``first_call_with_begin``: the stage's begin and the first call's start are one script call;
     a job the begin refuses (cancelled, leased, already past the stage) gets no call, no assignment."""
     from rollout_service.schemas import JobRequest, JobStatus
@@ -759,9 +800,15 @@ def test_the_run_stage_begin_makes_the_first_call_in_the_same_script_only_for_a_
 
     def begin(job_id: str, owner: str = "w1") -> tuple[str, list]:
         answers: list = []
-        (verdict, _, _), = store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running, owner,
-                                               skipping=(JobStatus.queued, "init_start"),
-                                               calls={job_id: pool.first_call_with_begin(job_id, answers)})
+        ((verdict, _, _),) = store.begin_stages(
+            [job_id],
+            "run",
+            JobStatus.initializing,
+            JobStatus.running,
+            owner,
+            skipping=(JobStatus.queued, "init_start"),
+            calls={job_id: pool.first_call_with_begin(job_id, answers)},
+        )
         return verdict, answers
 
     (job, later, cancelled), _ = store.create_many([request.model_copy(update={"n": 3})])[0]
@@ -773,7 +820,9 @@ def test_the_run_stage_begin_makes_the_first_call_in_the_same_script_only_for_a_
     assert granted.id == pool.backend_of(job) and assigned
     assert pool.inflight_calls() == 1 and sum(live(pool).values()) == 1
     fields = store.fields(job)
-    assert fields["status"] == "running" and fields["attempts_run"] == "1" and fields["init_start"] == fields["run_start"]
+    assert (
+        fields["status"] == "running" and fields["attempts_run"] == "1" and fields["init_start"] == fields["run_start"]
+    )
     assert begin(job, "w2") == ("leased", [])  # a duplicate delivery: no second call
     assert pool.inflight_calls() == 1 and sum(live(pool).values()) == 1
 

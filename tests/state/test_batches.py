@@ -3,6 +3,7 @@
 The first part drives the batch state machine directly against a real Redis, with
 simulated workers (many threads, redelivered events) standing in for Celery. The second
 part runs batches end to end through the real service; only the LLM is scripted."""
+
 from __future__ import annotations
 
 import queue
@@ -10,23 +11,23 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import httpx
 import pytest
 import redis
 
-from rollout_service.state.batches import BatchControl, BatchStore
+from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer
 from rollout_service.schemas import TERMINAL_STATUSES, BatchRequest, JobStatus
 from rollout_service.settings import Settings
+from rollout_service.state.batches import BatchControl, BatchStore
 from rollout_service.state.store import JobStore
-from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer
 from tests.helpers import math_task, tool_call
 
 # --------------------------------------------------------------------------- simulated workers
 
-Outcome = Callable[[int, int], Optional[float]]  # (task index, k-th finishing member) -> reward, None = fails
+Outcome = Callable[[int, int], float | None]  # (task index, k-th finishing member) -> reward, None = fails
 
 
 class Simulation:
@@ -34,7 +35,7 @@ class Simulation:
 
     def __init__(self, client: redis.Redis, outcome: Outcome) -> None:
         self.jobs = JobStore(client, Settings())
-        self.queue: "queue.Queue[str]" = queue.Queue()
+        self.queue: queue.Queue[str] = queue.Queue()
         self.control = BatchControl(self.jobs, enqueue=lambda ids, stage: [self.queue.put(j) for j in ids])
         self.outcome = outcome
         self.finished_in_group: dict[str, int] = {}
@@ -69,17 +70,23 @@ class Simulation:
         return decisions
 
     def batch_jobs(self, batch_id: str) -> list[str]:
-        return [key.decode().rsplit(":", 1)[1] for key in self.jobs.redis.scan_iter("rollout:job:job-*")
-                if key.count(b":") == 2 and self.jobs.redis.hget(key, "batch_id") == batch_id.encode()]
+        return [
+            key.decode().rsplit(":", 1)[1]
+            for key in self.jobs.redis.scan_iter("rollout:job:job-*")
+            if key.count(b":") == 2 and self.jobs.redis.hget(key, "batch_id") == batch_id.encode()
+        ]
 
 
 def by_task(*kinds: str) -> Outcome:
     """Task i's members score per kinds[i % len(kinds)]: "solved" 1, "never" 0, "mixed" 1 then 0s,
     "broken" fails, "flaky" fails once (its first finisher) then mixes."""
-    def outcome(task: int, k: int) -> Optional[float]:
+
+    def outcome(task: int, k: int) -> float | None:
         kind = kinds[task % len(kinds)]
         return {"solved": 1.0, "never": 0.0, "broken": None}.get(
-            kind, None if kind == "flaky" and k == 0 else float(k == (1 if kind == "flaky" else 0)))
+            kind, None if kind == "flaky" and k == 0 else float(k == (1 if kind == "flaky" else 0))
+        )
+
     return outcome
 
 
@@ -138,12 +145,11 @@ def test_a_failed_member_drops_its_group_and_cancels_its_siblings(sim_factory):
 
 def test_retry_rollout_resubmits_only_the_failed_rollout_and_gives_up_after_the_limit(sim_factory):
     sim = sim_factory(by_task("flaky"))
-    batch_id = sim.submit(1, group_size=2, target_groups=1, on_failure="retry_rollout",
-                          filter="nonuniform_reward")
+    batch_id = sim.submit(1, group_size=2, target_groups=1, on_failure="retry_rollout", filter="nonuniform_reward")
     assert sim.drain() == ["retry", "waiting", "accepted"]
     view = sim.control.batches.view(batch_id)
     assert (view.accepted, view.retried_rollouts, view.dropped) == (1, 1, 0)
-    group, = sim.control.batches.groups_after(batch_id, 0).groups
+    (group,) = sim.control.batches.groups_after(batch_id, 0).groups
     assert all(r.status.value == "completed" for r in group.rollouts) and sorted(group.rewards) == [0.0, 1.0]
 
     sim = sim_factory(by_task("broken"))
@@ -174,8 +180,7 @@ def test_cancelling_a_batch_cancels_its_in_flight_groups_and_returns_their_tasks
 
 def test_a_reservation_left_by_a_crashed_worker_is_healed(sim_factory):
     sim = sim_factory(by_task("mixed"))
-    batch_id, reserved = sim.control.batches.create(BatchRequest(
-        tasks=[math_task("t")], group_size=2, target_groups=1))
+    batch_id, reserved = sim.control.batches.create(BatchRequest(tasks=[math_task("t")], group_size=2, target_groups=1))
     assert sim.queue.empty() and sim.control.batches.view(batch_id).in_flight == 1
     sim.jobs.redis.zadd(f"rollout:batch:{batch_id}:pending", {reserved[0]: time.time() - 60})
     sim.control.heal(batch_id)
@@ -198,9 +203,16 @@ def test_a_member_whose_event_was_lost_is_decided_by_heal(sim_factory):
 def test_counters_stay_exact_with_many_workers_and_redelivered_events(sim_factory):
     sim = sim_factory(by_task("solved", "never", "mixed", "flaky", "broken", "mixed"))
     target = 12
-    batch_id = sim.submit(120, group_size=4, target_groups=target, max_inflight_groups=10,
-                          filter="nonuniform_reward", on_failure="retry_rollout", max_rollout_retries=1)
-    redeliveries: "queue.Queue[str]" = queue.Queue()
+    batch_id = sim.submit(
+        120,
+        group_size=4,
+        target_groups=target,
+        max_inflight_groups=10,
+        filter="nonuniform_reward",
+        on_failure="retry_rollout",
+        max_rollout_retries=1,
+    )
+    redeliveries: queue.Queue[str] = queue.Queue()
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
@@ -274,15 +286,25 @@ def test_concurrent_events_for_one_group_accept_it_exactly_once(sim_factory):
 # --------------------------------------------------------------------------- scripted episodes
 
 
-def test_a_rotating_script_episode_answers_each_new_rollout_of_a_prompt_differently(scripted_server,
-                                                                                   tiny_tokenizer_dir: Path):
+def test_a_rotating_script_episode_answers_each_new_rollout_of_a_prompt_differently(
+    scripted_server, tiny_tokenizer_dir: Path
+):
     renderer = ChatRenderer(load_tokenizer(str(tiny_tokenizer_dir)))
-    url = scripted_server({"episodes": [{"match": "Rotate me", "rotate": [
-        [tool_call("ipython", code="1"), "first, second turn"], ["second"], ["third"]]}]})
+    url = scripted_server(
+        {
+            "episodes": [
+                {
+                    "match": "Rotate me",
+                    "rotate": [[tool_call("ipython", code="1"), "first, second turn"], ["second"], ["third"]],
+                }
+            ]
+        }
+    )
 
     def generate(prompt: list[int]) -> list[int]:
-        answer = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 200,
-                                                           "return_token_ids": True}, timeout=10).json()
+        answer = httpx.post(
+            f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 200, "return_token_ids": True}, timeout=10
+        ).json()
         return answer["choices"][0]["token_ids"]
 
     prompt = renderer.initial_prompt([{"role": "user", "content": "Rotate me"}], [])
@@ -312,8 +334,10 @@ def mixed(problem: str) -> dict:
 
 
 def slow(problem: str, turns: int = 15, delay_s: float = 1.0) -> dict:
-    return {"match": problem, "turns": [{"text": tool_call("ipython", code="1"), "delay_s": delay_s}] * turns
-            + [ANSWER_RIGHT]}
+    return {
+        "match": problem,
+        "turns": [{"text": tool_call("ipython", code="1"), "delay_s": delay_s}] * turns + [ANSWER_RIGHT],
+    }
 
 
 def broken(problem: str) -> dict:
@@ -330,9 +354,11 @@ def scripted_tasks(scripted_backend, *episodes: Callable[[str], dict]) -> list[d
 
 def jobs_of(service, batch_id: str) -> dict[str, str]:
     r = service.redis()
-    return {key.decode().rsplit(":", 1)[1]: r.hget(key, "status").decode()
-            for key in r.scan_iter("rollout:job:job-*", count=1000)
-            if key.count(b":") == 2 and r.hget(key, "batch_id") == batch_id.encode()}
+    return {
+        key.decode().rsplit(":", 1)[1]: r.hget(key, "status").decode()
+        for key in r.scan_iter("rollout:job:job-*", count=1000)
+        if key.count(b":") == 2 and r.hget(key, "batch_id") == batch_id.encode()
+    }
 
 
 def sandboxes_of(service, job_ids: set[str]) -> list[str]:
@@ -372,10 +398,18 @@ def assert_nothing_of_the_batch_is_left_running(service, client, batch_id: str, 
 
 
 def test_a_filtered_batch_accepts_exactly_the_target_of_mixed_groups_and_cancels_the_rest(
-        service, client, scripted_backend):
+    service, client, scripted_backend
+):
     tasks = scripted_tasks(scripted_backend, slow, solved, never, mixed, solved, mixed, mixed, never, mixed)
-    run = client.batch(tasks, group_size=3, target_groups=2, max_inflight_groups=3,
-                       filter="nonuniform_reward", progress=False, timeout_s=90)
+    run = client.batch(
+        tasks,
+        group_size=3,
+        target_groups=2,
+        max_inflight_groups=3,
+        filter="nonuniform_reward",
+        progress=False,
+        timeout_s=90,
+    )
     groups = list(run)
 
     assert len(groups) == 2
@@ -395,9 +429,17 @@ def test_a_filtered_batch_accepts_exactly_the_target_of_mixed_groups_and_cancels
 
 def test_a_group_with_a_failed_rollout_is_dropped_not_scored_zero(service, client, scripted_backend):
     tasks = scripted_tasks(scripted_backend, broken, mixed)
-    run = client.batch(tasks, group_size=2, target_groups=1, max_inflight_groups=1,
-                       filter="nonuniform_reward", progress=False, trajectories=False, timeout_s=60)
-    group, = run
+    run = client.batch(
+        tasks,
+        group_size=2,
+        target_groups=1,
+        max_inflight_groups=1,
+        filter="nonuniform_reward",
+        progress=False,
+        trajectories=False,
+        timeout_s=60,
+    )
+    (group,) = run
     view = run.view()
     assert group.task == tasks[1] and (view.dropped_failed, view.accepted) == (1, 1)
     failed = [j for j, s in jobs_of(service, run.batch_id).items() if s == "failed"]
@@ -409,9 +451,17 @@ def test_retry_rollout_replaces_a_failed_rollout_in_its_group(service, client, s
         return {"match": problem, "rotate": [[tool_call("ipython", code="1")], [ANSWER_RIGHT], [ANSWER_WRONG]]}
 
     tasks = scripted_tasks(scripted_backend, flaky)
-    run = client.batch(tasks, group_size=2, target_groups=1, filter="nonuniform_reward",
-                       on_failure="retry_rollout", progress=False, trajectories=False, timeout_s=60)
-    group, = run
+    run = client.batch(
+        tasks,
+        group_size=2,
+        target_groups=1,
+        filter="nonuniform_reward",
+        on_failure="retry_rollout",
+        progress=False,
+        trajectories=False,
+        timeout_s=60,
+    )
+    (group,) = run
     assert sorted(group.rewards) == [0.0, 1.0] and {r.status.value for r in group.rollouts} == {"completed"}
     view = run.view()
     assert (view.accepted, view.retried_rollouts, view.dropped) == (1, 1, 0)
@@ -419,13 +469,18 @@ def test_retry_rollout_replaces_a_failed_rollout_in_its_group(service, client, s
 
 
 def test_a_batch_whose_tasks_run_out_completes_short_and_one_whose_groups_all_fail_fails(
-        service, client, scripted_backend):
+    service, client, scripted_backend
+):
     tasks = scripted_tasks(scripted_backend, solved, never, broken)
     short = client.batch(tasks[:2], group_size=2, target_groups=2, filter="nonuniform_reward", progress=False)
     assert list(short) == []
     view = short.view()
     assert (view.status.value, view.reason, view.accepted, view.dropped_uniform) == (
-        "completed", "tasks_exhausted", 0, 2)
+        "completed",
+        "tasks_exhausted",
+        0,
+        2,
+    )
     doomed = client.batch(tasks[2:], group_size=2, target_groups=1, progress=False)
     assert list(doomed) == [] and doomed.view().status.value == "failed"
 
@@ -440,18 +495,21 @@ def test_cancelling_a_batch_stops_its_rollouts_and_returns_its_tasks(service, cl
     assert_nothing_of_the_batch_is_left_running(service, client, run.batch_id, view.finished_at)
 
 
-@pytest.mark.parametrize("change, complaint", [
-    ({"filter": "dapo"}, "filter"),
-    ({"on_failure": "ignore"}, "on_failure"),
-    ({"tasks": []}, "tasks"),
-    ({"tasks": [{"problem": "no domain"}]}, "tasks[0]: task needs a \"domain\""),
-    ({"tasks": [math_task("fine"), {"domain": "math", "problem": "no answer"}]}, "tasks[1]: task.answer"),
-    ({"tasks": [{"domain": "chess"}]}, "unknown domain 'chess'"),
-    ({"target_groups": 3}, "target_groups (3) exceeds the number of tasks (2)"),
-    ({"group_size": 1, "filter": "nonuniform_reward"}, "group_size >= 2"),
-    ({"max_inflight_groups": 0}, "max_inflight_groups"),
-    ({"group_sise": 4}, "group_sise"),
-])
+@pytest.mark.parametrize(
+    "change, complaint",
+    [
+        ({"filter": "dapo"}, "filter"),
+        ({"on_failure": "ignore"}, "on_failure"),
+        ({"tasks": []}, "tasks"),
+        ({"tasks": [{"problem": "no domain"}]}, 'tasks[0]: task needs a "domain"'),
+        ({"tasks": [math_task("fine"), {"domain": "math", "problem": "no answer"}]}, "tasks[1]: task.answer"),
+        ({"tasks": [{"domain": "chess"}]}, "unknown domain 'chess'"),
+        ({"target_groups": 3}, "target_groups (3) exceeds the number of tasks (2)"),
+        ({"group_size": 1, "filter": "nonuniform_reward"}, "group_size >= 2"),
+        ({"max_inflight_groups": 0}, "max_inflight_groups"),
+        ({"group_sise": 4}, "group_sise"),
+    ],
+)
 def test_a_bad_batch_is_a_400_that_names_the_problem(service, change, complaint):
     body = {"tasks": [math_task("a"), math_task("b")], "group_size": 2, "target_groups": 1, **change}
     answer = httpx.post(f"{service.url}/v1/batches", json=body)

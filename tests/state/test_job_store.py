@@ -1,5 +1,6 @@
 """JobStore as a state machine on a real Redis, through the methods the gateway and the stages call:
 create, begin_stages / end_stages, finish, cancel, transition, view."""
+
 from __future__ import annotations
 
 import time
@@ -17,6 +18,7 @@ from rollout_service.errors import (
     ScoringTimeout,
     TaskError,
 )
+from rollout_service.runtime.trajectory import TrajectoryBuilder
 from rollout_service.schemas import (
     TERMINAL_STATUSES,
     FinishReason,
@@ -25,12 +27,13 @@ from rollout_service.schemas import (
 )
 from rollout_service.settings import Settings
 from rollout_service.state.store import JobStore, StageEnd
-from rollout_service.runtime.trajectory import TrajectoryBuilder
 
 # stage -> (status it begins from, its own status), as workers/stage.py runs them
-STAGES = {"init": (JobStatus.queued, JobStatus.initializing),
-          "run": (JobStatus.initializing, JobStatus.running),
-          "eval": (JobStatus.running, JobStatus.evaluating)}
+STAGES = {
+    "init": (JobStatus.queued, JobStatus.initializing),
+    "run": (JobStatus.initializing, JobStatus.running),
+    "eval": (JobStatus.running, JobStatus.evaluating),
+}
 LEASE_TTL_S = 1
 OWNER = "worker-a"
 
@@ -42,17 +45,19 @@ class Jobs:
 
     def create(self, **request: object) -> str:
         (job_id,), _ = self.store.create_jobs(
-            JobRequest.model_validate({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, **request}))
+            JobRequest.model_validate({"task": {"domain": "math", "problem": "1+1", "answer": "2"}, **request})
+        )
         return job_id
 
     def begin(self, job_id: str, stage: str, owner: str = OWNER) -> tuple[str, list[str]]:
         previous, status = STAGES[stage]
-        (verdict, values, _), = self.store.begin_stages([job_id], stage, previous, status, owner)
+        ((verdict, values, _),) = self.store.begin_stages([job_id], stage, previous, status, owner)
         return verdict, values
 
-    def end(self, job_id: str, stage: str, finish: tuple[JobStatus, dict] | None = None,
-            owner: str = OWNER) -> JobStatus | None:
-        status, = self.store.end_stages([StageEnd(job_id, owner, {f"{stage}_end": time.time()}, finish=finish)])
+    def end(
+        self, job_id: str, stage: str, finish: tuple[JobStatus, dict] | None = None, owner: str = OWNER
+    ) -> JobStatus | None:
+        (status,) = self.store.end_stages([StageEnd(job_id, owner, {f"{stage}_end": time.time()}, finish=finish)])
         return status
 
     def walk_to(self, job_id: str, last: str | None) -> None:
@@ -74,14 +79,16 @@ class Jobs:
 def jobs(redis_client: redis.Redis, redis_url: str) -> Jobs:
     announced: list[str] = []
     settings = Settings(redis_url=redis_url, lease_ttl_s=LEASE_TTL_S, max_redeliveries=3)
-    return Jobs(JobStore(redis_client, settings, on_finished=[lambda job_id, _batch: announced.append(job_id)]),
-                announced)
+    return Jobs(
+        JobStore(redis_client, settings, on_finished=[lambda job_id, _batch: announced.append(job_id)]), announced
+    )
 
 
 def partial_trajectory() -> TrajectoryBuilder:
     episode = TrajectoryBuilder([1, 2, 3], [{"role": "user", "content": "1+1"}])
-    episode.add_generation([7, 8, 9], [-0.5, -0.25, -1e-9], backend_id="be-x", policy_version=0,
-                           finish_reason="stop", latency_s=0.1)
+    episode.add_generation(
+        [7, 8, 9], [-0.5, -0.25, -1e-9], backend_id="be-x", policy_version=0, finish_reason="stop", latency_s=0.1
+    )
     episode.add_observation([4, 5], 0.01)
     return episode
 
@@ -95,20 +102,35 @@ def test_a_job_goes_queued_initializing_running_evaluating_completed_and_announc
         seen.append(jobs.status(job_id))
         finish = (JobStatus.completed, {"reward": 1.0, "finish_reason": "finished"}) if stage == "eval" else None
         seen.append(jobs.end(job_id, stage, finish))
-    assert seen == [JobStatus.queued, JobStatus.initializing, JobStatus.initializing, JobStatus.running,
-                    JobStatus.running, JobStatus.evaluating, JobStatus.completed]
+    assert seen == [
+        JobStatus.queued,
+        JobStatus.initializing,
+        JobStatus.initializing,
+        JobStatus.running,
+        JobStatus.running,
+        JobStatus.evaluating,
+        JobStatus.completed,
+    ]
     view = jobs.store.view(job_id)
     assert (view.status, view.reward, view.finish_reason, view.error, view.attempts) == (
-        JobStatus.completed, 1.0, FinishReason.finished, None, 1)
-    assert all(span is not None and span >= 0 for span in (view.timings.init_s, view.timings.run_s,
-                                                           view.timings.eval_s, view.timings.queued_s))
+        JobStatus.completed,
+        1.0,
+        FinishReason.finished,
+        None,
+        1,
+    )
+    assert all(
+        span is not None and span >= 0
+        for span in (view.timings.init_s, view.timings.run_s, view.timings.eval_s, view.timings.queued_s)
+    )
     assert jobs.announced == [job_id] and job_id not in jobs.store.live_jobs()
 
 
 def test_a_job_that_skips_init_begins_run_from_queued_and_gets_an_init_start(jobs: Jobs):
     job_id = jobs.create()
-    (verdict, _, _), = jobs.store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running, OWNER,
-                                               skipping=(JobStatus.queued, "init_start"))
+    ((verdict, _, _),) = jobs.store.begin_stages(
+        [job_id], "run", JobStatus.initializing, JobStatus.running, OWNER, skipping=(JobStatus.queued, "init_start")
+    )
     assert verdict == "ok" and jobs.status(job_id) == JobStatus.running
     assert "init_start" in jobs.store.fields(job_id)
 
@@ -129,13 +151,18 @@ def test_a_cancel_at_each_stage_ends_the_job_cancelled_exactly_once(jobs: Jobs, 
     assert jobs.announced == [job_id] and not jobs.store.cancel(job_id)
 
 
-@pytest.mark.parametrize("stage, error", [
-    ("init", TaskError("task.repo does not exist: check its URL")),
-    ("run", SandboxError("the sandbox's action server died")),
-    ("eval", ScoringTimeout("scoring took longer than its limit")),
-], ids=list(STAGES))
+@pytest.mark.parametrize(
+    "stage, error",
+    [
+        ("init", TaskError("task.repo does not exist: check its URL")),
+        ("run", SandboxError("the sandbox's action server died")),
+        ("eval", ScoringTimeout("scoring took longer than its limit")),
+    ],
+    ids=list(STAGES),
+)
 def test_a_failure_in_each_stage_ends_the_job_failed_with_its_typed_reason_and_keeps_the_partial_trajectory(
-        jobs: Jobs, stage: str, error: RolloutError):
+    jobs: Jobs, stage: str, error: RolloutError
+):
     job_id = jobs.create()
     jobs.walk_to(job_id, stage)
     episode = partial_trajectory().build(FinishReason.error)
@@ -145,8 +172,11 @@ def test_a_failure_in_each_stage_ends_the_job_failed_with_its_typed_reason_and_k
     assert view.status == JobStatus.failed and view.error is not None
     assert (view.error.code, view.error.message) == (error.code, str(error))
     kept = jobs.store.trajectory(job_id)
-    assert (kept.response_ids, kept.logprobs, kept.loss_mask) == ([7, 8, 9, 4, 5], [-0.5, -0.25, -1e-9, 0.0, 0.0],
-                                                                  [1, 1, 1, 0, 0])
+    assert (kept.response_ids, kept.logprobs, kept.loss_mask) == (
+        [7, 8, 9, 4, 5],
+        [-0.5, -0.25, -1e-9, 0.0, 0.0],
+        [1, 1, 1, 0, 0],
+    )
     assert kept.finish_reason == FinishReason.error and kept.truncated
     assert jobs.announced == [job_id]
 
@@ -156,11 +186,18 @@ def test_a_job_past_its_deadline_ends_timed_out_with_the_deadline_reason(jobs: J
     created = time.time()
     verdict, (deadline_at, _, _) = jobs.begin(job_id, "init")
     assert verdict == "ok" and created - 1 < float(deadline_at) < created + 1.5
-    assert jobs.store.finish(job_id, JobStatus.timed_out, DeadlineExceeded("job deadline passed before run started"),
-                             finish_reason=FinishReason.deadline.value)
+    assert jobs.store.finish(
+        job_id,
+        JobStatus.timed_out,
+        DeadlineExceeded("job deadline passed before run started"),
+        finish_reason=FinishReason.deadline.value,
+    )
     view = jobs.store.view(job_id)
     assert (view.status, view.finish_reason, view.error and view.error.code) == (
-        JobStatus.timed_out, FinishReason.deadline, "deadline")
+        JobStatus.timed_out,
+        FinishReason.deadline,
+        "deadline",
+    )
 
 
 def test_a_stage_whose_worker_died_is_begun_again_once_its_lease_lapses_and_counts_every_delivery(jobs: Jobs):
@@ -192,6 +229,7 @@ def in_stage(stage: str) -> Callable[[Jobs], str]:
         job_id = jobs.create()
         jobs.walk_to(job_id, stage)
         return job_id
+
     return make
 
 
@@ -200,44 +238,75 @@ def after_stage(stage: str) -> Callable[[Jobs], str]:
         job_id = in_stage(stage)(jobs)
         assert jobs.end(job_id, stage) is not None
         return job_id
+
     return make
 
 
 ILLEGAL: dict[str, tuple[Callable[[Jobs], str], Callable[[Jobs, str], object], object]] = {
-    "a stage that begins twice while its first delivery holds the lease is refused as leased":
-        (in_stage("run"), lambda jobs, j: jobs.begin(j, "run", owner="worker-b")[0], "leased"),
-    "a stage that begins again after it ended is skipped":
-        (after_stage("init"), lambda jobs, j: jobs.begin(j, "init", owner="worker-b"), ("skip", ["initializing"])),
-    "a stage that begins out of order is skipped":
-        (lambda jobs: jobs.create(), lambda jobs, j: jobs.begin(j, "eval"), ("skip", ["queued"])),
-    "a stage that begins on a finished job is skipped":
-        (completed, lambda jobs, j: jobs.begin(j, "eval", owner="worker-b"), ("skip", ["completed"])),
-    "a second finish is refused":
-        (completed, lambda jobs, j: jobs.store.finish(j, JobStatus.failed, TaskError("late")), False),
-    "a second terminal stage end leaves the first":
-        (completed, lambda jobs, j: jobs.end(j, "eval", (JobStatus.timed_out, {})), JobStatus.completed),
-    "a cancel after completion is refused and raises no flag":
-        (completed, lambda jobs, j: (jobs.store.cancel(j), jobs.store.cancel_requested(j)), (False, False)),
-    "a transition of a finished job is refused":
-        (completed, lambda jobs, j: jobs.store.transition(j, JobStatus.running), False),
-    "a transition from a status the job is not in is refused":
-        (in_stage("init"), lambda jobs, j: jobs.store.transition(j, JobStatus.evaluating, (JobStatus.running,)),
-         False),
-    "a cancel of a running job does not end it there":
-        (in_stage("run"), lambda jobs, j: jobs.store.cancel(j), False),
+    "a stage that begins twice while its first delivery holds the lease is refused as leased": (
+        in_stage("run"),
+        lambda jobs, j: jobs.begin(j, "run", owner="worker-b")[0],
+        "leased",
+    ),
+    "a stage that begins again after it ended is skipped": (
+        after_stage("init"),
+        lambda jobs, j: jobs.begin(j, "init", owner="worker-b"),
+        ("skip", ["initializing"]),
+    ),
+    "a stage that begins out of order is skipped": (
+        lambda jobs: jobs.create(),
+        lambda jobs, j: jobs.begin(j, "eval"),
+        ("skip", ["queued"]),
+    ),
+    "a stage that begins on a finished job is skipped": (
+        completed,
+        lambda jobs, j: jobs.begin(j, "eval", owner="worker-b"),
+        ("skip", ["completed"]),
+    ),
+    "a second finish is refused": (
+        completed,
+        lambda jobs, j: jobs.store.finish(j, JobStatus.failed, TaskError("late")),
+        False,
+    ),
+    "a second terminal stage end leaves the first": (
+        completed,
+        lambda jobs, j: jobs.end(j, "eval", (JobStatus.timed_out, {})),
+        JobStatus.completed,
+    ),
+    "a cancel after completion is refused and raises no flag": (
+        completed,
+        lambda jobs, j: (jobs.store.cancel(j), jobs.store.cancel_requested(j)),
+        (False, False),
+    ),
+    "a transition of a finished job is refused": (
+        completed,
+        lambda jobs, j: jobs.store.transition(j, JobStatus.running),
+        False,
+    ),
+    "a transition from a status the job is not in is refused": (
+        in_stage("init"),
+        lambda jobs, j: jobs.store.transition(j, JobStatus.evaluating, (JobStatus.running,)),
+        False,
+    ),
+    "a cancel of a running job does not end it there": (in_stage("run"), lambda jobs, j: jobs.store.cancel(j), False),
 }
 
 
 @pytest.mark.parametrize("make, act, answer", ILLEGAL.values(), ids=list(ILLEGAL))
 def test_an_illegal_move_is_refused_and_changes_nothing(
-        jobs: Jobs, make: Callable[[Jobs], str], act: Callable[[Jobs, str], object], answer: object):
+    jobs: Jobs, make: Callable[[Jobs], str], act: Callable[[Jobs, str], object], answer: object
+):
     job_id = make(jobs)
     before = jobs.store.view(job_id)
     announced = list(jobs.announced)
     assert act(jobs, job_id) == answer
     after = jobs.store.view(job_id)
     assert (after.status, after.reward, after.error, after.finish_reason) == (
-        before.status, before.reward, before.error, before.finish_reason)
+        before.status,
+        before.reward,
+        before.error,
+        before.finish_reason,
+    )
     assert jobs.announced == announced, "a refused move announces nothing"
     assert (after.status in TERMINAL_STATUSES) == (job_id not in jobs.store.live_jobs())
 

@@ -1,11 +1,12 @@
 """Job store helpers that touch stored documents without decoding them."""
+
 from __future__ import annotations
 
 import random
 
+from rollout_service.runtime.trajectory import TrajectoryBuilder
 from rollout_service.schemas import FinishReason
 from rollout_service.state.store import Packed, pack, unpack, with_field
-from rollout_service.runtime.trajectory import TrajectoryBuilder
 
 
 def stored_trajectory(seed: int) -> dict:
@@ -14,8 +15,9 @@ def stored_trajectory(seed: int) -> dict:
     for _ in range(3):
         ids = [rng.randrange(150000) for _ in range(rng.randint(1, 400))]
         logprobs = [rng.choice([-rng.random() * 30, 0.0, -1e-300, float("-inf")]) for _ in ids]
-        builder.add_generation(ids, logprobs, backend_id="be-reward", policy_version=seed, finish_reason="stop",
-                               latency_s=rng.random())
+        builder.add_generation(
+            ids, logprobs, backend_id="be-reward", policy_version=seed, finish_reason="stop", latency_s=rng.random()
+        )
         builder.add_observation([rng.randrange(150000) for _ in range(20)], 0.01)
     return builder.build(FinishReason.finished).model_dump(mode="json")
 

@@ -1,4 +1,5 @@
 """Domain handlers called directly: stem, code and swe, graded in real bwrap sandboxes."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -25,18 +26,31 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 stem, code, swe = get_handler("stem"), get_handler("code"), get_handler("swe")
 
-ADD = {"domain": "code", "entry_point": "add", "timeout_s": 2,
-       "prompt": 'from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    """The sum of xs."""\n',
-       "test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n"}
-SQUARE = {"domain": "code", "text": "Write a function square(x) that returns x squared.", "timeout_s": 2,
-          "test_list": ["assert square(2) == 4", "assert square(-3) == 9", "assert square(0) == 0"]}
-PLANETS = {"domain": "stem", "question": "Which planet is largest?",
-           "choices": ["Mercury", "Venus", "Jupiter", "Mars"], "answer": "C"}
+ADD = {
+    "domain": "code",
+    "entry_point": "add",
+    "timeout_s": 2,
+    "prompt": 'from typing import List\n\n\ndef add(xs: List[int]) -> int:\n    """The sum of xs."""\n',
+    "test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
+}
+SQUARE = {
+    "domain": "code",
+    "text": "Write a function square(x) that returns x squared.",
+    "timeout_s": 2,
+    "test_list": ["assert square(2) == 4", "assert square(-3) == 9", "assert square(0) == 0"],
+}
+PLANETS = {
+    "domain": "stem",
+    "question": "Which planet is largest?",
+    "choices": ["Mercury", "Venus", "Jupiter", "Mars"],
+    "answer": "C",
+}
 
 
 def make_swe_task(directory: Path) -> dict:
-    made = subprocess.run([sys.executable, str(EXAMPLES / "make_swe_repo.py"), str(directory)],
-                          check=True, capture_output=True, text=True)
+    made = subprocess.run(
+        [sys.executable, str(EXAMPLES / "make_swe_repo.py"), str(directory)], check=True, capture_output=True, text=True
+    )
     return json.loads(made.stdout)
 
 
@@ -66,8 +80,10 @@ def agent_sandbox(tmp_path: Path) -> Iterator:
     started = []
 
     def start(workspace: Path, tools: tuple[str, ...] = ("bash", "editor", "finish")):
-        sandbox = create_sandbox(get_settings().sandbox, SandboxSpec(job_id="test", workspace=str(workspace),
-                                                                     tools=tools, memory_mb=1024, ttl_s=120))
+        sandbox = create_sandbox(
+            get_settings().sandbox,
+            SandboxSpec(job_id="test", workspace=str(workspace), tools=tools, memory_mb=1024, ttl_s=120),
+        )
         started.append(sandbox)
         sandbox.start()
         return sandbox
@@ -79,30 +95,37 @@ def agent_sandbox(tmp_path: Path) -> Iterator:
 
 # -- validation -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("handler, task, field", [
-    (stem, {"question": "q", "answer": "A"}, "task.choices"),
-    (stem, {"question": "q", "choices": ["x"] * 11, "answer": "A"}, "task.choices"),
-    (stem, {"question": "q", "choices": ["x", "y"], "answer": "C"}, "task.answer"),
-    (stem, {"question": "q", "choices": ["x", "y"], "answer": 2}, "task.answer"),
-    (code, {}, "task.prompt"),
-    (code, {"prompt": "def f():\n", "test": "def check(c): pass"}, "task.entry_point"),
-    (code, {"text": "Write f.", "test_list": []}, "task.test_list"),
-    (code, {**SQUARE, "timeout_s": -1}, "task.timeout_s"),
-    (swe, {"instance_id": "x", "problem_statement": "p"}, "task.base_commit"),
-])
+
+@pytest.mark.parametrize(
+    "handler, task, field",
+    [
+        (stem, {"question": "q", "answer": "A"}, "task.choices"),
+        (stem, {"question": "q", "choices": ["x"] * 11, "answer": "A"}, "task.choices"),
+        (stem, {"question": "q", "choices": ["x", "y"], "answer": "C"}, "task.answer"),
+        (stem, {"question": "q", "choices": ["x", "y"], "answer": 2}, "task.answer"),
+        (code, {}, "task.prompt"),
+        (code, {"prompt": "def f():\n", "test": "def check(c): pass"}, "task.entry_point"),
+        (code, {"text": "Write f.", "test_list": []}, "task.test_list"),
+        (code, {**SQUARE, "timeout_s": -1}, "task.timeout_s"),
+        (swe, {"instance_id": "x", "problem_statement": "p"}, "task.base_commit"),
+    ],
+)
 def test_a_task_with_a_missing_or_wrong_field_is_rejected_naming_the_field(handler, task, field):
     with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
         handler.validate(task)
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"FAIL_TO_PASS": "not json"}, "task.FAIL_TO_PASS"),
-    ({"FAIL_TO_PASS": []}, "task.FAIL_TO_PASS"),
-    ({"PASS_TO_PASS": [1, 2]}, "task.PASS_TO_PASS"),
-    ({"repo_path": None}, "task.repo_path"),
-    ({"repo_path": "relative/dir"}, "task.repo_path"),
-    ({"base_commit": "--upload-pack=evil"}, "task.base_commit"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"FAIL_TO_PASS": "not json"}, "task.FAIL_TO_PASS"),
+        ({"FAIL_TO_PASS": []}, "task.FAIL_TO_PASS"),
+        ({"PASS_TO_PASS": [1, 2]}, "task.PASS_TO_PASS"),
+        ({"repo_path": None}, "task.repo_path"),
+        ({"repo_path": "relative/dir"}, "task.repo_path"),
+        ({"base_commit": "--upload-pack=evil"}, "task.base_commit"),
+    ],
+)
 def test_a_swe_task_with_a_wrong_field_is_rejected_naming_the_field(swe_task, change, field):
     with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
         swe.validate({**swe_task, **change})
@@ -115,21 +138,25 @@ def test_swe_test_lists_may_be_lists_or_json_strings(swe_task):
 
 # -- stem -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("answer, letter, rule", [
-    ("C", "C", "bare_letter"),
-    ("(C)", "C", "bare_letter"),
-    ("c.", "C", "bare_letter"),
-    ("Jupiter", "C", "choice_text"),
-    ("So the result is \\boxed{C}.", "C", "boxed"),
-    ("\\boxed{\\text{C}}", "C", "boxed"),
-    ("Answer: C", "C", "answer_phrase"),
-    ("Neither (A) nor (B) fits, so the answer is (C).", "C", "answer_phrase"),
-    ("Option A is too small. The correct option is **C**", "C", "answer_phrase"),
-    ("Gas giants are the largest.\n\n**C**", "C", "last_line"),
-    ("Jupiter, i.e. (C), is the biggest", "C", "parenthesized"),
-    ("Answer: B", "B", "answer_phrase"),
-    ("I am not sure.", None, "none"),
-])
+
+@pytest.mark.parametrize(
+    "answer, letter, rule",
+    [
+        ("C", "C", "bare_letter"),
+        ("(C)", "C", "bare_letter"),
+        ("c.", "C", "bare_letter"),
+        ("Jupiter", "C", "choice_text"),
+        ("So the result is \\boxed{C}.", "C", "boxed"),
+        ("\\boxed{\\text{C}}", "C", "boxed"),
+        ("Answer: C", "C", "answer_phrase"),
+        ("Neither (A) nor (B) fits, so the answer is (C).", "C", "answer_phrase"),
+        ("Option A is too small. The correct option is **C**", "C", "answer_phrase"),
+        ("Gas giants are the largest.\n\n**C**", "C", "last_line"),
+        ("Jupiter, i.e. (C), is the biggest", "C", "parenthesized"),
+        ("Answer: B", "B", "answer_phrase"),
+        ("I am not sure.", None, "none"),
+    ],
+)
 def test_the_chosen_letter_is_read_from_many_answer_styles(answer, letter, rule):
     assert parse_choice(answer, PLANETS["choices"]) == (letter, rule)
 
@@ -143,18 +170,23 @@ def test_a_stem_answer_scores_one_when_it_names_the_gold_choice_and_zero_otherwi
     assert stem.score(PLANETS, {}).reward == 0.0
 
 
-@pytest.mark.parametrize("finish_answer, final_text, reward", [
-    (None, "What is 19 + 10? Let me restate: 19 + 10.", 0.0),  # an expression equal to the gold is no answer
-    (None, "So it is \\boxed{29}.", 1.0),
-    (None, " 29.\n", 1.0),
-    (None, "19 + 10 = 29, so 29", 1.0),  # the last number
-    (None, "19 + 10", 0.0),  # the last number of a restatement is an operand
-    (None, "I do not know", 0.0),
-    (None, "First \\boxed{28}, no wait: \\boxed{29}", 1.0),
-    ("29", "", 1.0),
-    ("\\boxed{28}", "\\boxed{29}", 0.0),  # the finish answer is the answer
-])
-def test_a_math_answer_is_the_finish_answer_or_the_last_boxed_or_number_never_an_expression(finish_answer, final_text, reward):
+@pytest.mark.parametrize(
+    "finish_answer, final_text, reward",
+    [
+        (None, "What is 19 + 10? Let me restate: 19 + 10.", 0.0),  # an expression equal to the gold is no answer
+        (None, "So it is \\boxed{29}.", 1.0),
+        (None, " 29.\n", 1.0),
+        (None, "19 + 10 = 29, so 29", 1.0),  # the last number
+        (None, "19 + 10", 0.0),  # the last number of a restatement is an operand
+        (None, "I do not know", 0.0),
+        (None, "First \\boxed{28}, no wait: \\boxed{29}", 1.0),
+        ("29", "", 1.0),
+        ("\\boxed{28}", "\\boxed{29}", 0.0),  # the finish answer is the answer
+    ],
+)
+def test_a_math_answer_is_the_finish_answer_or_the_last_boxed_or_number_never_an_expression(
+    finish_answer, final_text, reward
+):
     handler, task = get_handler("math"), {"problem": "What is 19 + 10?", "answer": "29"}
     assert handler.score(task, handler.artifact(task, finish_answer, final_text, None)).reward == reward
 
@@ -168,17 +200,21 @@ def test_stem_offers_only_finish_unless_python_is_asked_for(tmp_path):
 
 # -- code -----------------------------------------------------------------------------------
 
+
 def test_code_is_taken_from_the_last_python_block_that_defines_the_entry_point():
     text = "Try:\n```python\ndef add(xs):\n    return sum(xs)\n```\nUsage:\n```python\nprint(add([1]))\n```"
     assert extract_code(text, "add") == "def add(xs):\n    return sum(xs)"
     assert extract_code("    return sum(xs)\n") == "    return sum(xs)"
 
 
-@pytest.mark.parametrize("submission", [
-    {"code": "def add(xs):\n    return sum(xs)\n"},
-    {"answer": "Here it is:\n```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```"},
-    {"code": "    return sum(xs)\n"},
-])
+@pytest.mark.parametrize(
+    "submission",
+    [
+        {"code": "def add(xs):\n    return sum(xs)\n"},
+        {"answer": "Here it is:\n```python\ndef add(xs: List[int]) -> int:\n    return sum(xs)\n```"},
+        {"code": "    return sum(xs)\n"},
+    ],
+)
 def test_a_correct_humaneval_solution_passes_its_hidden_tests(submission):
     result = code.score(ADD, submission)
     assert result.reward == 1.0, result.details
@@ -266,7 +302,9 @@ def test_the_code_artifact_is_the_finish_answer_or_the_file_it_names(tmp_path, a
     assert code.artifact(ADD, "mine.py", "", sandbox) == {"code": solution, "source": "file:/workspace/mine.py"}
     assert code.artifact(ADD, "", "", sandbox)["code"] == ADD["prompt"]
     assert code.artifact(ADD, "```python\ndef add(xs): return 1\n```", "", sandbox) == {
-        "code": "def add(xs): return 1", "source": "finish"}
+        "code": "def add(xs): return 1",
+        "source": "finish",
+    }
     assert code.artifact(ADD, None, "I gave up.", sandbox)["source"] == "file:/workspace/solution.py"
     assert code.score(ADD, code.artifact(ADD, "/workspace/mine.py", "", sandbox)).reward == 1.0
 
@@ -284,14 +322,23 @@ def test_the_code_artifact_of_a_local_sandbox_is_read_from_its_own_workspace_not
 
 # -- swe ------------------------------------------------------------------------------------
 
+
 def test_the_files_a_patch_touches_and_pytest_statuses_are_parsed():
-    patch = "diff --git a/t/x.py b/t/x.py\n--- a/t/x.py\n+++ b/t/x.py\n@@ -1 +1 @@\n-a\n+b\n" \
-            "diff --git a/t/new.py b/t/new.py\nnew file mode 100644\n--- /dev/null\n+++ b/t/new.py\n"
+    patch = (
+        "diff --git a/t/x.py b/t/x.py\n--- a/t/x.py\n+++ b/t/x.py\n@@ -1 +1 @@\n-a\n+b\n"
+        "diff --git a/t/new.py b/t/new.py\nnew file mode 100644\n--- /dev/null\n+++ b/t/new.py\n"
+    )
     assert touched_files(patch) == ["t/x.py", "t/new.py"]
-    log = ("PASSED t.py::a\nFAILED t.py::b[x - y] - AssertionError: 1 - 2\nERROR t.py::c\n"
-           "PASSED t.py::b[x - y]\nXFAIL t.py::d - reason\n")
+    log = (
+        "PASSED t.py::a\nFAILED t.py::b[x - y] - AssertionError: 1 - 2\nERROR t.py::c\n"
+        "PASSED t.py::b[x - y]\nXFAIL t.py::d - reason\n"
+    )
     assert parse_pytest_log(log, ["t.py::a", "t.py::b[x - y]", "t.py::c", "t.py::d", "t.py::e"]) == {
-        "t.py::a": "PASSED", "t.py::b[x - y]": "PASSED", "t.py::c": "ERROR", "t.py::d": "XFAIL"}
+        "t.py::a": "PASSED",
+        "t.py::b[x - y]": "PASSED",
+        "t.py::c": "ERROR",
+        "t.py::d": "XFAIL",
+    }
 
 
 def test_the_gold_patch_resolves_the_example_issue(swe_task):
@@ -317,18 +364,24 @@ diff --git a/tests/test_calendar.py b/tests/test_calendar.py
 +dates.is_leap_year = dates.calendar.is_leap_year = lambda y: y % 4 == 0 and (y % 100 != 0 or y % 400 == 0)
 +
  from dates import days_in_month, is_leap_year
- 
- 
+
+
 """
 
 
 def weakened_tests(task: dict) -> str:
-    return task["test_patch"].replace("+    assert not is_leap_year(1900)\n", "+    assert True\n") \
+    return (
+        task["test_patch"]
+        .replace("+    assert not is_leap_year(1900)\n", "+    assert True\n")
         .replace("+    assert days_in_month(1900, 2) == 28\n", "+    assert True\n")
+    )
 
 
-@pytest.mark.parametrize("make_patch", [lambda task: MONKEYPATCHING_TESTS, weakened_tests],
-                         ids=["monkeypatching-the-tests", "weakening-the-tests"])
+@pytest.mark.parametrize(
+    "make_patch",
+    [lambda task: MONKEYPATCHING_TESTS, weakened_tests],
+    ids=["monkeypatching-the-tests", "weakening-the-tests"],
+)
 def test_editing_the_tests_instead_of_the_code_does_not_resolve(swe_task, make_patch):
     result = swe.score(swe_task, {"patch": make_patch(swe_task)})
     assert result.reward == 0.0 and result.details["stage"] == "tests-exited-1"
@@ -362,9 +415,16 @@ def test_the_swe_artifact_is_the_diff_computed_inside_the_sandbox(swe_task, tmp_
     hook = "#!/bin/sh\ntouch /workspace/hook-ran\n"
     sandbox.execute("editor", {"command": "create", "path": ".git/hooks/post-index-change", "file_text": hook}, 10)
     sandbox.execute("bash", {"command": "chmod +x .git/hooks/post-index-change"}, 10)
-    sandbox.execute("editor", {"command": "str_replace", "path": "dates/calendar.py",
-                               "old_str": "    return year % 4 == 0\n",
-                               "new_str": "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n"}, 10)
+    sandbox.execute(
+        "editor",
+        {
+            "command": "str_replace",
+            "path": "dates/calendar.py",
+            "old_str": "    return year % 4 == 0\n",
+            "new_str": "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n",
+        },
+        10,
+    )
     sandbox.execute("editor", {"command": "create", "path": "NOTES.md", "file_text": "century rule\n"}, 10)
     ran = sandbox.execute("bash", {"command": "python -m pytest -q -p no:cacheprovider 2>&1 | tail -1"}, 60)
     assert "3 passed" in ran["output"]
@@ -400,16 +460,20 @@ def assert_refused_everywhere(task: dict, match: str = "ROLLOUT_REPO_ROOTS") -> 
 
 @pytest.mark.parametrize("how", ["named directly", "through a symlink inside a root", "with .. out of a root"])
 def test_a_swe_repo_path_outside_the_allowed_roots_is_refused_at_submission_init_and_eval(
-        swe_task, outside_repo, tmp_path, how):
-    repo_path = {"named directly": str(outside_repo),
-                 "through a symlink inside a root": str(tmp_path / "link"),
-                 "with .. out of a root": f"{tmp_path}/{'../' * len(tmp_path.parts)}{str(outside_repo).lstrip('/')}"}[how]
+    swe_task, outside_repo, tmp_path, how
+):
+    repo_path = {
+        "named directly": str(outside_repo),
+        "through a symlink inside a root": str(tmp_path / "link"),
+        "with .. out of a root": f"{tmp_path}/{'../' * len(tmp_path.parts)}{str(outside_repo).lstrip('/')}",
+    }[how]
     (tmp_path / "link").symlink_to(outside_repo)
     assert_refused_everywhere({**swe_task, "repo_path": repo_path})
 
 
 def test_by_default_only_repositories_under_the_state_dir_but_not_job_workspaces_are_allowed(
-        swe_task, tmp_path, monkeypatch):
+    swe_task, tmp_path, monkeypatch
+):
     monkeypatch.delenv("ROLLOUT_REPO_ROOTS")
     monkeypatch.setenv("ROLLOUT_STATE_DIR", str(tmp_path / "state"))
     inside = make_swe_task(tmp_path / "state" / "repos" / "dates")
@@ -456,6 +520,7 @@ def test_an_image_only_swe_task_needs_singularity(swe_task, tmp_path):
 
 # -- examples -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.jsonl")), ids=lambda p: p.name)
 def test_every_example_task_is_valid(path, swe_task):
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -467,12 +532,26 @@ def test_every_example_task_is_valid(path, swe_task):
         get_handler(task["domain"]).validate(task)
 
 
-@pytest.mark.parametrize("gold, answer, plain", [
-    ("4", "\\boxed{4}", True), ("4", "$4$", True), ("4", "$\\boxed{4}$", True), ("29", "28", True),
-    ("7", "-7", True), ("0", "-0", True), ("3", "3.0", True), ("0.5", "1/2", True), ("1234567891", "1234567890", True),
-    ("0.1", "0.10000001", False), ("0.3333333", "1/3", False), ("1,000", "1000", False), ("4", "- 4", False),
-    ("x + 1", "1 + x", False), ("12", "12.", False),
-])
+@pytest.mark.parametrize(
+    "gold, answer, plain",
+    [
+        ("4", "\\boxed{4}", True),
+        ("4", "$4$", True),
+        ("4", "$\\boxed{4}$", True),
+        ("29", "28", True),
+        ("7", "-7", True),
+        ("0", "-0", True),
+        ("3", "3.0", True),
+        ("0.5", "1/2", True),
+        ("1234567891", "1234567890", True),
+        ("0.1", "0.10000001", False),
+        ("0.3333333", "1/3", False),
+        ("1,000", "1000", False),
+        ("4", "- 4", False),
+        ("x + 1", "1 + x", False),
+        ("12", "12.", False),
+    ],
+)
 def test_plain_numbers_are_graded_without_math_verify_and_as_it_would(gold, answer, plain):
     from math_verify import parse, verify
 

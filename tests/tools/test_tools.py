@@ -1,9 +1,10 @@
 """The agent's tools through the full path: client -> Unix socket -> action server in bwrap -> tool."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -1,5 +1,6 @@
 """The control worker: its housekeeping sends the stage of a job whose worker died again (and the
 stage gives up past ROLLOUT_MAX_REDELIVERIES), and it decides a batch's groups as their members end."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from rollout_service.sdk.client import RolloutClient
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus
+from rollout_service.sdk.client import RolloutClient
 from rollout_service.settings import Settings
 from rollout_service.state.store import JobStore
 from tests.fixtures_service import Service
@@ -17,31 +18,41 @@ from tests.helpers import math_task, server_log, tool_call
 DEAD_LEASE_S = 1  # the dead workers' leases lapse at once
 
 
-def job_whose_run_worker_died(service: Service, problem: str, model: str, deliveries: int,
-                              job_s: float | None = None) -> str:
+def job_whose_run_worker_died(
+    service: Service, problem: str, model: str, deliveries: int, job_s: float | None = None
+) -> str:
     """A math job (enqueued nowhere) whose run stage was delivered ``deliveries`` times to workers that
     died mid-stage, the last long enough ago for housekeeping to count it lost."""
     settings = dataclasses.replace(Settings.from_env(service.env), lease_ttl_s=DEAD_LEASE_S)
     store = JobStore(service.redis(), settings, on_finished=[])
-    (job_id,), _ = store.create_jobs(JobRequest.model_validate(
-        {"task": math_task(problem), "sampling": {"model": model}, "timeouts": {"job_s": job_s}}))
+    (job_id,), _ = store.create_jobs(
+        JobRequest.model_validate(
+            {"task": math_task(problem), "sampling": {"model": model}, "timeouts": {"job_s": job_s}}
+        )
+    )
     for delivery in range(deliveries):
         if delivery:
             time.sleep(DEAD_LEASE_S + 0.1)
-        (verdict, _, _), = store.begin_stages([job_id], "run", JobStatus.initializing, JobStatus.running,
-                                              f"dead-worker-{delivery}", skipping=(JobStatus.queued, "init_start"))
+        ((verdict, _, _),) = store.begin_stages(
+            [job_id],
+            "run",
+            JobStatus.initializing,
+            JobStatus.running,
+            f"dead-worker-{delivery}",
+            skipping=(JobStatus.queued, "init_start"),
+        )
         assert verdict == "ok", verdict
     store.set_fields(job_id, run_start=time.time() - 600)
     return job_id
 
 
 def test_housekeeping_sends_the_run_of_a_job_whose_worker_died_again_and_the_job_completes_once(
-        service: Service, client: RolloutClient, scripted_model: Callable[[dict], BackendView],
-        model_name: str) -> None:
+    service: Service, client: RolloutClient, scripted_model: Callable[[dict], BackendView], model_name: str
+) -> None:
     problem = f"Orphan ({uuid.uuid4().hex[:6]})"
     backend = scripted_model({"episodes": [{"match": problem, "turns": [tool_call("finish", answer="4")]}]})
     job_id = job_whose_run_worker_died(service, problem, model_name, deliveries=1)
-    view, = client.wait([job_id], timeout_s=60)
+    (view,) = client.wait([job_id], timeout_s=60)
 
     assert (view.status, view.reward, view.attempts) == (JobStatus.completed, 1.0, 2), view.error
     assert len(server_log(backend.url)) == 1
@@ -49,7 +60,8 @@ def test_housekeeping_sends_the_run_of_a_job_whose_worker_died_again_and_the_job
 
 
 def test_a_redelivered_stage_fails_a_job_past_max_redeliveries_and_times_out_one_past_its_deadline(
-        service: Service, client: RolloutClient, model_name: str) -> None:
+    service: Service, client: RolloutClient, model_name: str
+) -> None:
     limit = Settings.from_env(service.env).max_redeliveries
     crashing = job_whose_run_worker_died(service, f"Crashing ({uuid.uuid4().hex[:6]})", model_name, deliveries=limit)
     late = job_whose_run_worker_died(service, f"Late ({uuid.uuid4().hex[:6]})", model_name, deliveries=1, job_s=0.5)
@@ -65,12 +77,19 @@ def test_a_redelivered_stage_fails_a_job_past_max_redeliveries_and_times_out_one
 
 
 def test_the_control_worker_accepts_a_batchs_group_once_its_members_end_and_completes_the_batch(
-        client: RolloutClient, scripted_model: Callable[[dict], BackendView], model_name: str) -> None:
+    client: RolloutClient, scripted_model: Callable[[dict], BackendView], model_name: str
+) -> None:
     problem = f"Batch ({uuid.uuid4().hex[:6]})"
     scripted_model({"episodes": [{"match": problem, "turns": [tool_call("finish", answer="4")]}]})
-    run = client.batch([math_task(problem)], group_size=2, target_groups=1, sampling={"model": model_name},
-                       progress=False, timeout_s=60)
-    group, = run.groups()
+    run = client.batch(
+        [math_task(problem)],
+        group_size=2,
+        target_groups=1,
+        sampling={"model": model_name},
+        progress=False,
+        timeout_s=60,
+    )
+    (group,) = run.groups()
     view = run.view()
 
     assert [r.reward for r in group.rollouts] == [1.0, 1.0]

@@ -1,4 +1,5 @@
 """workers/dispatch.py against a real Redis broker: what it publishes is what it counts."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from rollout_service.errors import StoreUnavailable
 
 
 def test_jobs_travel_in_messages_of_at_most_the_batch_size_counted_queued_then_unacked(
-        redis_client, redis_url, celery_app):
+    redis_client, redis_url, celery_app
+):
     app = celery_app(redis_url, ROLLOUT_STAGE_BATCH_MAX_JOBS="2")
     from workers import dispatch
 
@@ -21,20 +23,29 @@ def test_jobs_travel_in_messages_of_at_most_the_batch_size_counted_queued_then_u
     with app.connection_for_read() as connection:  # a consumer takes one message and does not ack it
         queue = connection.SimpleQueue("init", no_ack=False)
         message = queue.get(timeout=5)
-        first = {"task": message.headers["task"], "id": message.headers["id"], "args": message.payload[0],
-                 "marks": message.headers[dispatch.JOBS_HEADER]}
+        first = {
+            "task": message.headers["task"],
+            "id": message.headers["id"],
+            "args": message.payload[0],
+            "marks": message.headers[dispatch.JOBS_HEADER],
+        }
         after = dispatch.queue_lengths(redis_client)
         message.requeue()
         queue.close()
     assert before["init"] == {"queued": 3, "unacked": 0}
     assert before["run"] == {"queued": 1, "unacked": 0}
     assert after["init"] == {"queued": 2, "unacked": 1}
-    assert first == {"task": "workers.init.init_jobs", "id": "job-a.init+1", "args": [["job-a", "job-b"]],
-                     "marks": ["job-a.init", "job-b.init"]}
+    assert first == {
+        "task": "workers.init.init_jobs",
+        "id": "job-a.init+1",
+        "args": [["job-a", "job-b"]],
+        "marks": ["job-a.init", "job-b.init"],
+    }
 
 
 def test_messages_present_finds_jobs_inside_batched_messages_across_scan_chunks_and_in_unacked(
-        redis_client, redis_url, celery_app, monkeypatch):
+    redis_client, redis_url, celery_app, monkeypatch
+):
     app = celery_app(redis_url, ROLLOUT_STAGE_BATCH_MAX_JOBS="3")
     from workers import dispatch
 
@@ -59,14 +70,18 @@ def test_served_queues_come_from_live_worker_heartbeats(redis_client):
 
 
 def test_scoring_meets_a_stalled_redis_as_a_transient_error_to_retry_not_an_internal_error(
-        redis_client, redis_url, celery_app):
+    redis_client, redis_url, celery_app
+):
     celery_app(redis_url, ROLLOUT_REDIS_SOCKET_TIMEOUT_S="0.2", ROLLOUT_REDIS_RETRIES="0")
     from workers.eval import score_submission
     from workers.stage import job_store
 
     store = job_store()
-    store.put_blob("score-stall", "score-request",
-                   {"task": {"domain": "math", "problem": "2+2", "answer": "4"}, "submission": {"answer": "4"}})
+    store.put_blob(
+        "score-stall",
+        "score-request",
+        {"task": {"domain": "math", "problem": "2+2", "answer": "4"}, "submission": {"answer": "4"}},
+    )
     result_key = store.key("score-stall", "score-result")
     redis_client.execute_command("CLIENT", "PAUSE", "1500", "ALL")
     with pytest.raises(StoreUnavailable, match="Redis is unreachable or not answering"):
@@ -79,7 +94,8 @@ def test_scoring_meets_a_stalled_redis_as_a_transient_error_to_retry_not_an_inte
 
 
 def test_the_handoff_sends_a_lone_job_at_once_and_gathers_those_that_follow_within_its_window(
-        redis_client, redis_url, celery_app):
+    redis_client, redis_url, celery_app
+):
     app = celery_app(redis_url)
     from workers import dispatch
 
@@ -87,8 +103,7 @@ def test_the_handoff_sends_a_lone_job_at_once_and_gathers_those_that_follow_with
     lone = handoff.put("eval", "job-lone")
     assert lone.is_set() and redis_client.llen("eval") == 1
     published: list[threading.Event] = []
-    threads = [threading.Thread(target=lambda i=i: published.append(handoff.put("eval", f"job-{i}")))
-               for i in range(6)]
+    threads = [threading.Thread(target=lambda i=i: published.append(handoff.put("eval", f"job-{i}"))) for i in range(6)]
     for thread in threads:
         thread.start()
     for thread in threads:

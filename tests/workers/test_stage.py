@@ -1,13 +1,14 @@
 """workers/stage.py on a real Redis: how a stage begins and ends the jobs one message carries."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
+from rollout_service.runtime.trajectory import TrajectoryBuilder
 from rollout_service.schemas import FinishReason, JobRequest, JobStatus
 from rollout_service.state.store import JobStore
-from rollout_service.runtime.trajectory import TrajectoryBuilder
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def store(redis_client, redis_url, celery_app) -> JobStore:
 def graded_three_jobs(store: JobStore, run: Callable[[list[str], Callable], None]) -> dict:
     """Three running jobs of one message through ``run(job_ids, grade)``: what each grading saw of
     the message's jobs as it began, their final statuses and the finished-job metrics recorded."""
-    (job_ids, _), = store.create_many([JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"}, n=3)])
+    ((job_ids, _),) = store.create_many([JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"}, n=3)])
     for job_id in job_ids:
         assert store.transition(job_id, JobStatus.running)
     seen = []
@@ -31,8 +32,11 @@ def graded_three_jobs(store: JobStore, run: Callable[[list[str], Callable], None
         ctx.finish_as = (JobStatus.completed, {"reward": 1.0})
 
     run(job_ids, grade)
-    counted = sum(int(n) for field, n in store.redis.hgetall("rollout:metrics:counters").items()
-                  if field.startswith(b"rollout_jobs_finished|"))
+    counted = sum(
+        int(n)
+        for field, n in store.redis.hgetall("rollout:metrics:counters").items()
+        if field.startswith(b"rollout_jobs_finished|")
+    )
     return {"seen": seen, "final": [store.status(job_id).value for job_id in job_ids], "counted": counted}
 
 
@@ -44,9 +48,11 @@ def test_eval_completes_each_job_of_a_message_before_it_grades_the_next(store, m
         eval_stage.eval_jobs.run(job_ids)
 
     result = graded_three_jobs(store, run)
-    assert result["seen"] == [["evaluating", "evaluating", "evaluating"],
-                              ["completed", "evaluating", "evaluating"],
-                              ["completed", "completed", "evaluating"]]
+    assert result["seen"] == [
+        ["evaluating", "evaluating", "evaluating"],
+        ["completed", "evaluating", "evaluating"],
+        ["completed", "completed", "evaluating"],
+    ]
     assert result["final"] == ["completed"] * 3 and result["counted"] == 3  # their metrics: one write at the end
 
 
@@ -60,12 +66,13 @@ def test_a_stage_that_ends_its_jobs_together_keeps_each_in_the_stage_until_the_l
 def test_a_job_cancelled_after_its_episode_ended_has_a_trajectory_that_says_cancelled(store):
     from workers.stage import run_stage_jobs
 
-    (job_ids, _), = store.create_many([JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"})])
-    job_id, = job_ids
+    ((job_ids, _),) = store.create_many([JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"})])
+    (job_id,) = job_ids
     assert store.transition(job_id, JobStatus.running)
     episode = TrajectoryBuilder([1, 2, 3], [{"role": "user", "content": "1+1"}])
-    episode.add_generation([7, 8], [-0.5, -0.25], backend_id="be-x", policy_version=0, finish_reason="stop",
-                           latency_s=0.1)
+    episode.add_generation(
+        [7, 8], [-0.5, -0.25], backend_id="be-x", policy_version=0, finish_reason="stop", latency_s=0.1
+    )
     store.put_trajectory(job_id, episode.build(FinishReason.no_tool_call))
     store.cancel(job_id)  # after its episode ended, before it was graded
     run_stage_jobs([job_id], "eval", lambda ctx: None)

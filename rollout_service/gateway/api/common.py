@@ -1,13 +1,15 @@
 """What every route module shares: the route table (Flask routes and OpenAPI from one
 declaration), body parsing, replies in JSON or msgpack, query arguments, and the per-request store."""
+
 from __future__ import annotations
 
 import functools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import msgpack
 import orjson
@@ -15,15 +17,19 @@ import pydantic
 from flask import Blueprint, Response, current_app, g, request
 from werkzeug.routing import BaseConverter
 
-from rollout_service.state.enqueue import Enqueuer
 from rollout_service.errors import NotFound, UnsupportedMediaType, ValidationError
-from rollout_service.settings import Settings
 from rollout_service.schemas import where
+from rollout_service.settings import Settings
+from rollout_service.state.enqueue import Enqueuer
 from rollout_service.state.store import JobStore, redis_client
 
 MSGPACK = "application/msgpack"
-BODY_TYPES = ("application/json", MSGPACK, "application/x-msgpack",
-              "application/x-www-form-urlencoded")  # the last: what curl -d sends with a JSON body
+BODY_TYPES = (
+    "application/json",
+    MSGPACK,
+    "application/x-msgpack",
+    "application/x-www-form-urlencoded",
+)  # the last: what curl -d sends with a JSON body
 MAX_BODY_DEPTH = 64
 ID_PATTERN = "^[A-Za-z0-9_-]{1,128}$"
 _ID = re.compile(ID_PATTERN)
@@ -36,10 +42,10 @@ class Query:
     kind: str  # OpenAPI type: "string" | "number" | "integer"
     description: str
     enum: tuple[str, ...] = ()
-    minimum: Optional[float] = None
-    exclusive_minimum: Optional[float] = None
-    maximum: Optional[float] = None
-    pattern: Optional[str] = None
+    minimum: float | None = None
+    exclusive_minimum: float | None = None
+    maximum: float | None = None
+    pattern: str | None = None
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,8 @@ class Route:
     path: str  # OpenAPI style: /v1/jobs/{job_id}
     summary: str
     endpoint: str
-    request: Optional[type[pydantic.BaseModel]] = None
-    response: Optional[type[pydantic.BaseModel]] = None
+    request: type[pydantic.BaseModel] | None = None
+    response: type[pydantic.BaseModel] | None = None
     status: int = 200
     query: tuple[Query, ...] = ()
     errors: tuple[int, ...] = (400,)
@@ -69,9 +75,11 @@ class Route:
 ROUTES: list[Route] = []
 
 
-def route(blueprint: Blueprint, method: str, path: str, summary: str, **details: Any
-          ) -> Callable[[Callable[..., Response]], Callable[..., Response]]:
+def route(
+    blueprint: Blueprint, method: str, path: str, summary: str, **details: Any
+) -> Callable[[Callable[..., Response]], Callable[..., Response]]:
     """Declare a route: ``@route(bp, "post", "/v1/jobs", "Submit", request=JobRequest, status=202)``."""
+
     def register(view: Callable[..., Response]) -> Callable[..., Response]:
         spec = Route(method, path, summary, f"{blueprint.name}.{view.__name__}", **details)
         ROUTES.append(spec)
@@ -84,6 +92,7 @@ def route(blueprint: Blueprint, method: str, path: str, summary: str, **details:
 
         blueprint.add_url_rule(spec.flask_path, view_func=with_checked_ids, methods=[method.upper()])
         return view
+
     return register
 
 
@@ -91,8 +100,10 @@ def check_id(name: str, value: str, error: type[ValidationError] | type[NotFound
     """A job, group, batch or backend id as the service hands them out, or a 4xx naming it: an id
     becomes part of a Redis key, so ``job-1:request`` must not reach another key."""
     if not _ID.match(value):
-        raise error(f"{name} {value[:140]!r} is not an id the service hands out: ids are 1-128 letters, "
-                    "digits, '-' or '_' (e.g. job-5f3c0a9e1b2d4c6f)")
+        raise error(
+            f"{name} {value[:140]!r} is not an id the service hands out: ids are 1-128 letters, "
+            "digits, '-' or '_' (e.g. job-5f3c0a9e1b2d4c6f)"
+        )
     return value
 
 
@@ -104,11 +115,17 @@ def id_converter() -> type[BaseConverter]:
         parts = templated.path.split("/")
         for i, part in enumerate(parts):
             if part.startswith("{"):
-                reserved |= {other[i] for other in (r.path.split("/") for r in ROUTES)
-                             if len(other) > i and other[:i] == parts[:i] and not other[i].startswith("{")}
+                reserved |= {
+                    other[i]
+                    for other in (r.path.split("/") for r in ROUTES)
+                    if len(other) > i and other[:i] == parts[:i] and not other[i].startswith("{")
+                }
     names = "|".join(sorted(re.escape(name) for name in reserved))
-    return type("IdConverter", (BaseConverter,), {"regex": f"(?!(?:{names})$)[^/]+" if names else "[^/]+",
-                                                   "part_isolating": True})
+    return type(
+        "IdConverter",
+        (BaseConverter,),
+        {"regex": f"(?!(?:{names})$)[^/]+" if names else "[^/]+", "part_isolating": True},
+    )
 
 
 def public_paths() -> set[str]:
@@ -116,7 +133,7 @@ def public_paths() -> set[str]:
     return {path for r in ROUTES if r.public for path in (r.path, r.path.rstrip("/"))}
 
 
-def route_for_endpoint(endpoint: Optional[str]) -> Optional[Route]:
+def route_for_endpoint(endpoint: str | None) -> Route | None:
     return next((r for r in ROUTES if r.endpoint == endpoint), None)
 
 
@@ -144,8 +161,9 @@ def body(default: Any = None) -> Any:
         raise ValidationError("empty body: send a JSON object with Content-Type: application/json")
     mimetype = request.mimetype
     if mimetype and mimetype not in BODY_TYPES and not mimetype.endswith("+json"):
-        raise UnsupportedMediaType(f"Content-Type {mimetype!r} is not accepted: send the body as "
-                                   f"application/json or {MSGPACK}")
+        raise UnsupportedMediaType(
+            f"Content-Type {mimetype!r} is not accepted: send the body as application/json or {MSGPACK}"
+        )
     if mimetype in (MSGPACK, "application/x-msgpack"):
         try:
             data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
@@ -155,8 +173,9 @@ def body(default: Any = None) -> Any:
             raise ValidationError(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from exc
     else:
         try:
-            data = json.loads(raw, parse_int=_int_within_64_bits, parse_float=_finite_float,
-                              parse_constant=_no_constant)
+            data = json.loads(
+                raw, parse_int=_int_within_64_bits, parse_float=_finite_float, parse_constant=_no_constant
+            )
         except RecursionError:
             raise ValidationError(f"body is nested deeper than {MAX_BODY_DEPTH} levels") from None
         except ValueError as exc:
@@ -175,7 +194,7 @@ def check_document(doc: dict[str, Any]) -> None:
         node, path = stack.pop()
         if len(path) >= MAX_BODY_DEPTH:
             raise ValidationError(f"{where(path)}: nested deeper than {MAX_BODY_DEPTH} levels; flatten it")
-        for key, value in (node.items() if type(node) is dict else enumerate(node)):
+        for key, value in node.items() if type(node) is dict else enumerate(node):
             if type(node) is dict and type(key) is not str:
                 raise ValidationError(f"{where(path)}: the key {key!r} is not a string; object keys are strings")
             if type(key) is str and not key.isascii():
@@ -190,24 +209,30 @@ def check_document(doc: dict[str, Any]) -> None:
                 if not math.isfinite(value):
                     raise ValidationError(f"{where((*path, key))}: {value} is not a finite number")
             elif kind is not int and kind is not bool and value is not None:
-                raise ValidationError(f"{where((*path, key))}: {kind.__name__} is not a JSON value; "
-                                      "send strings, numbers, booleans, null, arrays and objects")
+                raise ValidationError(
+                    f"{where((*path, key))}: {kind.__name__} is not a JSON value; "
+                    "send strings, numbers, booleans, null, arrays and objects"
+                )
 
 
 def _check_text(text: str, path: tuple[Any, ...]) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValidationError(f"{where(path)}: the string holds a lone surrogate "
-                              f"({text[exc.start]!r}) and is not valid Unicode; send UTF-8 text") from None
+        raise ValidationError(
+            f"{where(path)}: the string holds a lone surrogate "
+            f"({text[exc.start]!r}) and is not valid Unicode; send UTF-8 text"
+        ) from None
 
 
 def _int_within_64_bits(text: str) -> int:
     """An integer of a JSON body, refused (400) beyond 64 bits: a job's request is stored as msgpack."""
     value = int(text)
-    if not -2 ** 63 <= value < 2 ** 64:
-        raise ValidationError(f"the integer {text[:40]} in the body is beyond 64 bits, which a job's "
-                              "request is stored in; send it as a string")
+    if not -(2**63) <= value < 2**64:
+        raise ValidationError(
+            f"the integer {text[:40]} in the body is beyond 64 bits, which a job's "
+            "request is stored in; send it as a string"
+        )
     return value
 
 
@@ -238,7 +263,7 @@ def seconds_arg(name: str, default: float, maximum: float, positive: bool = Fals
     return value
 
 
-def int_arg(name: str, default: int, minimum: int = 0, maximum: Optional[int] = None) -> int:
+def int_arg(name: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
     raw = request.args.get(name)
     if raw is None:
         return default
@@ -251,7 +276,7 @@ def int_arg(name: str, default: int, minimum: int = 0, maximum: Optional[int] = 
     return value
 
 
-def cursor_arg(name: str) -> Optional[int]:
+def cursor_arg(name: str) -> int | None:
     raw = request.args.get(name)
     if raw is None:
         return None
@@ -260,7 +285,7 @@ def cursor_arg(name: str) -> Optional[int]:
     return int(raw)
 
 
-def id_arg(name: str) -> Optional[str]:
+def id_arg(name: str) -> str | None:
     raw = request.args.get(name)
     return None if raw is None else check_id(name, raw)
 

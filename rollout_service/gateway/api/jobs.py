@@ -1,28 +1,56 @@
 """``/v1/jobs`` (one job or a group, in bulk, waiting, listing, trajectories) and ``/v1/score``."""
+
 from __future__ import annotations
 
 import contextlib
 import json
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 from flask import Blueprint, Response, request
 
+from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
 from rollout_service.gateway.api.common import (
-    ID_PATTERN, MSGPACK, Query, body, check_id, cursor_arg, enqueuer, id_arg, int_arg, reply, route, settings,
-    store, wants_msgpack,
+    ID_PATTERN,
+    MSGPACK,
+    Query,
+    body,
+    check_id,
+    cursor_arg,
+    enqueuer,
+    id_arg,
+    int_arg,
+    reply,
+    route,
+    settings,
+    store,
+    wants_msgpack,
+)
+from rollout_service.runtime.preparation import check_job
+from rollout_service.schemas import (
+    MAX_LIST_JOBS,
+    AgentConfig,
+    BulkJobRequest,
+    BulkSubmitResponse,
+    JobIdsRequest,
+    JobList,
+    JobRequest,
+    JobStatus,
+    JobView,
+    Sampling,
+    ScoreRequest,
+    ScoreResponse,
+    SubmitResponse,
+    TrajectoriesResponse,
+    Trajectory,
+    WaitRequest,
+    WaitResponse,
 )
 from rollout_service.state.backends import BackendPool
 from rollout_service.state.enqueue import Enqueue
-from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
-from rollout_service.runtime.preparation import check_job
-from rollout_service.schemas import (
-    MAX_LIST_JOBS, AgentConfig, BulkJobRequest, BulkSubmitResponse, JobIdsRequest, JobList, JobRequest,
-    JobStatus, JobView, Sampling, ScoreRequest, ScoreResponse, SubmitResponse, TrajectoriesResponse,
-    Trajectory, WaitRequest, WaitResponse,
-)
 from rollout_service.state.store import FINISHED_CHANNEL, JobStore, new_id, unpack
 from rollout_service.tasks import first_stage
 
@@ -36,8 +64,10 @@ WAIT_QUIET_S = 0.01  # ... and how long after the last end: a wave of ends is ov
 def check_rollouts(field: str, rollouts: int) -> None:
     cap = settings().max_rollouts_per_request
     if rollouts > cap:
-        raise ValidationError(f"{field}: {rollouts} rollouts asked for, over ROLLOUT_MAX_ROLLOUTS_PER_REQUEST "
-                              f"({cap}); split them into several requests")
+        raise ValidationError(
+            f"{field}: {rollouts} rollouts asked for, over ROLLOUT_MAX_ROLLOUTS_PER_REQUEST "
+            f"({cap}); split them into several requests"
+        )
 
 
 def check_job_ids(job_ids: list[str]) -> None:
@@ -60,8 +90,9 @@ def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str
     return response, False
 
 
-def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: int,
-                     enqueue: Enqueue) -> list[tuple[list[str], str]]:
+def create_streaming(
+    jobs: JobStore, requests: list[JobRequest], message_jobs: int, enqueue: Enqueue
+) -> list[tuple[list[str], str]]:
     """Create and enqueue the requests' jobs a stage message at a time, so init starts on the first
     ones while the rest are still being written (1,000 jobs took ~60 ms to write). Should a write
     fail part way, the jobs already created are cancelled (best effort) and the error is raised."""
@@ -89,8 +120,17 @@ def create_streaming(jobs: JobStore, requests: list[JobRequest], message_jobs: i
 
 
 # -- routes -----------------------------------------------------------------------------
-@route(blueprint, "post", "/v1/jobs", "Submit a task (n > 1: a GRPO group of n rollouts)",
-       request=JobRequest, response=SubmitResponse, status=202, idempotent=True, errors=(400, 409))
+@route(
+    blueprint,
+    "post",
+    "/v1/jobs",
+    "Submit a task (n > 1: a GRPO group of n rollouts)",
+    request=JobRequest,
+    response=SubmitResponse,
+    status=202,
+    idempotent=True,
+    errors=(400, 409),
+)
 def submit() -> Response:
     job = JobRequest.model_validate(body())
     check_rollouts("n", job.n)
@@ -104,8 +144,17 @@ def submit() -> Response:
     return reply(idempotent("", make)[0], 202)
 
 
-@route(blueprint, "post", "/v1/jobs/bulk", "Submit many jobs in one request (answers in order)",
-       request=BulkJobRequest, response=BulkSubmitResponse, status=202, idempotent=True, errors=(400, 409))
+@route(
+    blueprint,
+    "post",
+    "/v1/jobs/bulk",
+    "Submit many jobs in one request (answers in order)",
+    request=BulkJobRequest,
+    response=BulkSubmitResponse,
+    status=202,
+    idempotent=True,
+    errors=(400, 409),
+)
 def submit_bulk() -> Response:
     bulk = BulkJobRequest.model_validate(body())
     check_rollouts("jobs (the sum of their n)", sum(job.n for job in bulk.jobs))
@@ -120,9 +169,15 @@ def submit_bulk() -> Response:
     return reply(idempotent("bulk:", make)[0], 202)
 
 
-@route(blueprint, "post", "/v1/jobs/wait",
-       "Long-poll until min_finished of the jobs are terminal, or timeout_s passed",
-       request=WaitRequest, response=WaitResponse, errors=(400, 404))
+@route(
+    blueprint,
+    "post",
+    "/v1/jobs/wait",
+    "Long-poll until min_finished of the jobs are terminal, or timeout_s passed",
+    request=WaitRequest,
+    response=WaitResponse,
+    errors=(400, 404),
+)
 def wait_jobs() -> Response:
     req = WaitRequest.model_validate(body())
     check_job_ids(req.job_ids)
@@ -164,31 +219,50 @@ def wait_jobs() -> Response:
     finished = [j for j in job_ids if j not in waiting]
     done = set(finished)
     views = jobs.views(finished)
-    return reply({"finished": [v.model_dump(mode="json") for v in views],
-                  "pending": [j for j in job_ids if j not in done]})
+    return reply(
+        {"finished": [v.model_dump(mode="json") for v in views], "pending": [j for j in job_ids if j not in done]}
+    )
 
 
-@route(blueprint, "get", "/v1/jobs", "List jobs, newest first, with filters and a cursor",
-       response=JobList, query=(
-           Query("status", "string", "only jobs in this status", tuple(s.value for s in JobStatus)),
-           Query("group_id", "string", "only this group's jobs", pattern=ID_PATTERN),
-           Query("batch_id", "string", "only this batch's jobs", pattern=ID_PATTERN),
-           Query("limit", "integer", f"page size, 1..{MAX_LIST_JOBS} (default 100)", minimum=1, maximum=MAX_LIST_JOBS),
-           Query("cursor", "string", "the cursor of the previous page", pattern="^[0-9]{1,20}$"),
-       ))
+@route(
+    blueprint,
+    "get",
+    "/v1/jobs",
+    "List jobs, newest first, with filters and a cursor",
+    response=JobList,
+    query=(
+        Query("status", "string", "only jobs in this status", tuple(s.value for s in JobStatus)),
+        Query("group_id", "string", "only this group's jobs", pattern=ID_PATTERN),
+        Query("batch_id", "string", "only this batch's jobs", pattern=ID_PATTERN),
+        Query("limit", "integer", f"page size, 1..{MAX_LIST_JOBS} (default 100)", minimum=1, maximum=MAX_LIST_JOBS),
+        Query("cursor", "string", "the cursor of the previous page", pattern="^[0-9]{1,20}$"),
+    ),
+)
 def list_jobs() -> Response:
     raw_status = request.args.get("status")
     if raw_status is not None and raw_status not in JobStatus.__members__:
         raise UnknownName("status", raw_status, JobStatus.__members__)
     views, cursor = store().list_jobs(
-        status=JobStatus(raw_status) if raw_status else None, group_id=id_arg("group_id"),
-        batch_id=id_arg("batch_id"), limit=int_arg("limit", 100, 1, MAX_LIST_JOBS), cursor=cursor_arg("cursor"))
-    return reply({"jobs": [v.model_dump(mode="json") for v in views],
-                  "cursor": None if cursor is None else str(cursor)})
+        status=JobStatus(raw_status) if raw_status else None,
+        group_id=id_arg("group_id"),
+        batch_id=id_arg("batch_id"),
+        limit=int_arg("limit", 100, 1, MAX_LIST_JOBS),
+        cursor=cursor_arg("cursor"),
+    )
+    return reply(
+        {"jobs": [v.model_dump(mode="json") for v in views], "cursor": None if cursor is None else str(cursor)}
+    )
 
 
-@route(blueprint, "post", "/v1/jobs/trajectories", "Many trajectories at once (msgpack recommended)",
-       request=JobIdsRequest, response=TrajectoriesResponse, errors=(400, 404))
+@route(
+    blueprint,
+    "post",
+    "/v1/jobs/trajectories",
+    "Many trajectories at once (msgpack recommended)",
+    request=JobIdsRequest,
+    response=TrajectoriesResponse,
+    errors=(400, 404),
+)
 def trajectories() -> Response:
     req = JobIdsRequest.model_validate(body())
     check_job_ids(req.job_ids)
@@ -203,21 +277,22 @@ def trajectories() -> Response:
     return reply({"trajectories": {j: None if b is None else unpack(b) for j, b in zip(job_ids, blobs)}})
 
 
-@route(blueprint, "get", "/v1/jobs/{job_id}", "Job status, timings, reward, error, result",
-       response=JobView, errors=(404,))
+@route(
+    blueprint, "get", "/v1/jobs/{job_id}", "Job status, timings, reward, error, result", response=JobView, errors=(404,)
+)
 def get_job(job_id: str) -> Response:
     return reply(store().view(job_id).model_dump(mode="json"))
 
 
-@route(blueprint, "get", "/v1/jobs/{job_id}/trajectory", "The token-level trajectory",
-       response=Trajectory, errors=(404,))
+@route(
+    blueprint, "get", "/v1/jobs/{job_id}/trajectory", "The token-level trajectory", response=Trajectory, errors=(404,)
+)
 def get_trajectory(job_id: str) -> Response:
     store().status(job_id)
     return reply(store().get_blob(job_id, "trajectory"))
 
 
-@route(blueprint, "post", "/v1/jobs/{job_id}/cancel", "Cancel a job (cooperative)",
-       response=JobView, errors=(404,))
+@route(blueprint, "post", "/v1/jobs/{job_id}/cancel", "Cancel a job (cooperative)", response=JobView, errors=(404,))
 def cancel(job_id: str) -> Response:
     return reply(cancel_job(store(), job_id).model_dump(mode="json"))
 
@@ -229,8 +304,15 @@ def cancel_job(jobs: JobStore, job_id: str) -> JobView:
     return jobs.view(job_id)
 
 
-@route(blueprint, "post", "/v1/score", "Score a submission against a task, without an agent",
-       request=ScoreRequest, response=ScoreResponse, errors=(400, 504))
+@route(
+    blueprint,
+    "post",
+    "/v1/score",
+    "Score a submission against a task, without an agent",
+    request=ScoreRequest,
+    response=ScoreResponse,
+    errors=(400, 504),
+)
 def score() -> Response:
     req = ScoreRequest.model_validate(body())
     check_job(req.task, Sampling(), AgentConfig(), [])
@@ -241,8 +323,10 @@ def score() -> Response:
     timeout_s = settings().eval_timeout_s + 30
     answer = jobs.pop_within(JobStore.key(score_id, "score-result"), timeout_s)
     if answer is None:
-        raise ScoringTimeout(f"scoring did not finish within {timeout_s:.0f} s: are eval workers running "
-                             "(rollout-service worker eval), or is ROLLOUT_EVAL_TIMEOUT_S too low?")
+        raise ScoringTimeout(
+            f"scoring did not finish within {timeout_s:.0f} s: are eval workers running "
+            "(rollout-service worker eval), or is ROLLOUT_EVAL_TIMEOUT_S too low?"
+        )
     result = json.loads(answer)
     if "error" in result:
         return reply(result, 400 if result["error"]["code"] in ("invalid_request", "task_error") else 500)

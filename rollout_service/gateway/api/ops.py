@@ -1,4 +1,5 @@
 """Operations: liveness, readiness, Prometheus metrics, the OpenAPI document and the viewer page."""
+
 from __future__ import annotations
 
 from importlib import resources
@@ -20,8 +21,16 @@ def healthz() -> Response:
     return reply({"status": "ok"})
 
 
-@route(blueprint, "get", "/readyz", "Redis reachable and every stage queue served by a worker",
-       response=Readiness, public=True, errors=(503,), error_models=((503, Readiness),))
+@route(
+    blueprint,
+    "get",
+    "/readyz",
+    "Redis reachable and every stage queue served by a worker",
+    response=Readiness,
+    public=True,
+    errors=(503,),
+    error_models=((503, Readiness),),
+)
 def readyz() -> Response:
     try:
         store().redis.ping()
@@ -33,8 +42,7 @@ def readyz() -> Response:
     return reply(body, 200 if not missing else 503)
 
 
-@route(blueprint, "get", "/metrics", "Prometheus metrics", public=True, errors=(),
-       content_type="text/plain")
+@route(blueprint, "get", "/metrics", "Prometheus metrics", public=True, errors=(), content_type="text/plain")
 def prometheus() -> Response:
     return Response(metrics.render(store().redis), mimetype="text/plain; version=0.0.4")
 
@@ -44,8 +52,15 @@ def openapi() -> Response:
     return reply(spec(token_required=bool(settings().api_token)))
 
 
-@route(blueprint, "get", "/ui/", "The trajectory viewer (a static page; its API calls carry the token)",
-       public=True, errors=(), content_type="text/html")
+@route(
+    blueprint,
+    "get",
+    "/ui/",
+    "The trajectory viewer (a static page; its API calls carry the token)",
+    public=True,
+    errors=(),
+    content_type="text/html",
+)
 def viewer() -> Response:
     page = resources.files("rollout_service.gateway").joinpath("ui/index.html").read_text()
     return Response(page, mimetype="text/html")
