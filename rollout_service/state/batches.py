@@ -38,7 +38,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -360,43 +360,45 @@ class BatchStore:
 
     # -- reading --------------------------------------------------------------------
     def fields(self, batch_id: str) -> dict[str, str]:
-        raw = self.redis.hgetall(self._key(batch_id))
+        raw = cast("dict[bytes, bytes]", self.redis.hgetall(self._key(batch_id)))
         if not raw:
             raise self._missing(batch_id)
         return {as_text(k): as_text(v) for k, v in raw.items()}
 
     def status(self, batch_id: str) -> BatchStatus:
-        value = self.redis.hget(self._key(batch_id), "status")
+        value = cast("bytes | None", self.redis.hget(self._key(batch_id), "status"))
         if value is None:
             raise self._missing(batch_id)
         return BatchStatus(as_text(value))
 
     def job_fields(self, batch_id: str) -> dict[str, Any]:
-        return json.loads(self.redis.get(self._key(batch_id, "job")) or "{}")
+        return json.loads(cast("bytes | None", self.redis.get(self._key(batch_id, "job"))) or "{}")
 
     def task(self, batch_id: str, index: int) -> dict[str, Any]:
-        return json.loads(self.redis.lindex(self._key(batch_id, "tasks"), index))
+        task = cast("bytes | None", self.redis.lindex(self._key(batch_id, "tasks"), index))
+        if task is None:
+            raise self._missing(batch_id)
+        return json.loads(task)
 
     def group(self, batch_id: str, group_id: str) -> dict[str, str]:
-        return {as_text(k): as_text(v) for k, v in self.redis.hgetall(self._key(batch_id, f"group:{group_id}")).items()}
+        raw = cast("dict[bytes, bytes]", self.redis.hgetall(self._key(batch_id, f"group:{group_id}")))
+        return {as_text(k): as_text(v) for k, v in raw.items()}
 
     def group_ids(self, batch_id: str) -> list[str]:
-        return [as_text(gid) for gid in self.redis.lrange(self._key(batch_id, "groups"), 0, -1)]
+        return [as_text(gid) for gid in cast("list[bytes]", self.redis.lrange(self._key(batch_id, "groups"), 0, -1))]
 
     def pending(self, batch_id: str, older_than_s: float = 0.0) -> list[str]:
-        return [
-            as_text(e)
-            for e in self.redis.zrangebyscore(self._key(batch_id, "pending"), "-inf", time.time() - older_than_s)
-        ]
+        return self._older_than(self._key(batch_id, "pending"), older_than_s)
 
     def to_cancel(self, batch_id: str, older_than_s: float = 0.0) -> list[str]:
-        return [
-            as_text(j)
-            for j in self.redis.zrangebyscore(self._key(batch_id, "to_cancel"), "-inf", time.time() - older_than_s)
-        ]
+        return self._older_than(self._key(batch_id, "to_cancel"), older_than_s)
+
+    def _older_than(self, zset_key: str, older_than_s: float) -> list[str]:
+        members = cast("list[bytes]", self.redis.zrangebyscore(zset_key, "-inf", time.time() - older_than_s))
+        return [as_text(m) for m in members]
 
     def in_flight_groups(self, batch_id: str) -> list[str]:
-        return [as_text(gid) for gid in self.redis.smembers(self._key(batch_id, "inflight"))]
+        return [as_text(gid) for gid in cast("set[bytes]", self.redis.smembers(self._key(batch_id, "inflight")))]
 
     def view(self, batch_id: str) -> BatchView:
         f = self.fields(batch_id)
@@ -410,7 +412,8 @@ class BatchStore:
             if f["status"] != BatchStatus.running.value
             else []
         )
-        unstarted = [json.loads(t) for t in self.redis.lrange(self._key(batch_id, "tasks"), next_task, -1)]
+        unstarted_raw = cast("list[bytes]", self.redis.lrange(self._key(batch_id, "tasks"), next_task, -1))
+        unstarted = [json.loads(t) for t in unstarted_raw]
         dropped_uniform, dropped_failed = int(f["dropped_uniform"]), int(f["dropped_failed"])
         return BatchView(
             batch_id=batch_id,
@@ -422,7 +425,7 @@ class BatchStore:
             dropped=dropped_uniform + dropped_failed,
             dropped_uniform=dropped_uniform,
             dropped_failed=dropped_failed,
-            in_flight=self.redis.scard(self._key(batch_id, "inflight")),
+            in_flight=self.in_flight_count(batch_id),
             cancelled_groups=int(f["cancelled_groups"]),
             retried_rollouts=int(f["retried"]),
             tasks_total=n_tasks,
@@ -433,12 +436,16 @@ class BatchStore:
             finished_at=float(f["finished_at"]) if f["finished_at"] else None,
         )
 
+    def in_flight_count(self, batch_id: str) -> int:
+        return cast(int, self.redis.scard(self._key(batch_id, "inflight")))
+
     def accepted_count(self, batch_id: str) -> int:
-        return int(self.redis.llen(self._key(batch_id, "accepted")))
+        return cast(int, self.redis.llen(self._key(batch_id, "accepted")))
 
     def groups_after(self, batch_id: str, cursor: int) -> BatchGroupsPage:
         status = self.status(batch_id)  # read first: "over" then means every group is in the list
-        accepted = [as_text(gid) for gid in self.redis.lrange(self._key(batch_id, "accepted"), cursor, -1)]
+        accepted_raw = cast("list[bytes]", self.redis.lrange(self._key(batch_id, "accepted"), cursor, -1))
+        accepted = [as_text(gid) for gid in accepted_raw]
         groups = [
             self._accepted_group(batch_id, gid, grp) for gid, grp in zip(accepted, self._groups(batch_id, accepted))
         ]
@@ -450,7 +457,7 @@ class BatchStore:
             done=status != BatchStatus.running,
             accepted=int(f["accepted"]),
             dropped=int(f["dropped_uniform"]) + int(f["dropped_failed"]),
-            in_flight=self.redis.scard(self._key(batch_id, "inflight")),
+            in_flight=self.in_flight_count(batch_id),
         )
 
     def _groups(self, batch_id: str, group_ids: list[str]) -> list[dict[str, str]]:
@@ -589,7 +596,9 @@ class BatchControl:
             for job_id in members:
                 if f"result:{job_id}" in grp:
                     continue
-                fields = self.jobs.redis.hmget(JobStore.key(job_id), "status", "finished_at")
+                fields = cast(
+                    "list[bytes | None]", self.jobs.redis.hmget(JobStore.key(job_id), ["status", "finished_at"])
+                )
                 status, finished_at = (as_text(v) if v is not None else "" for v in fields)
                 if (
                     status in {s.value for s in TERMINAL_STATUSES}

@@ -16,7 +16,7 @@ import bisect
 import functools
 import logging
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,17 +110,17 @@ class Increments:
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
-        self.sums: Counter[str] = Counter()
+        self.sums: defaultdict[str, float] = defaultdict(float)
 
     def observe(self, name: str, values: Iterable[float | None], labels: Mapping[str, str] | None = None) -> None:
-        values = [float(v) for v in values if v is not None]
-        if not values:
+        present = [float(v) for v in values if v is not None]
+        if not present:
             return
         histogram, prefix = HISTOGRAMS[name], f"{name}|{labels_text(labels or {})}|"
-        for value in values:
+        for value in present:
             self.counts[HISTOGRAMS_KEY, prefix + bucket_of(histogram, value)] += 1
-        self.sums[prefix + "sum"] += sum(values)
-        self.counts[HISTOGRAMS_KEY, prefix + "count"] += len(values)
+        self.sums[prefix + "sum"] += sum(present)
+        self.counts[HISTOGRAMS_KEY, prefix + "count"] += len(present)
 
     def count(self, name: str, labels: Mapping[str, str], amount: int = 1) -> None:
         assert name in COUNTERS, name
@@ -128,7 +128,8 @@ class Increments:
 
     def add(self, other: Increments) -> None:
         self.counts.update(other.counts)
-        self.sums.update(other.sums)
+        for field, total in other.sums.items():
+            self.sums[field] += total
 
     def write(self, client: redis.Redis, what: str) -> None:
         """Now, or in a green worker with the others of the next ``metrics_flush_s``."""

@@ -37,7 +37,7 @@ def spec(token_required: bool = True) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for route in ROUTES:
         paths.setdefault(route.path, {})[route.method] = _operation(route, components, token_required)
-    document = {
+    document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {
             "title": "rollout-service",
