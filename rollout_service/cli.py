@@ -128,7 +128,7 @@ def start_pieces(supervisor: Supervisor, settings: Settings, args: argparse.Name
         for index in range(copies):
             suffix = f"-{index + 1}" if copies > 1 else ""
             supervisor.start(f"worker-{queue}{suffix}", worker_command(settings, queue))
-    # monitoring yields the CPU to rollouts: it read every task event at the burst of a big submission
+    # monitoring yields the CPU to rollouts: it reads every task event, a burst at a big submission
     supervisor.start(
         "flower", flower_command(settings), niceness=FLOWER_NICENESS, stop_rank=SERVICES, env=flower_env(settings)
     )

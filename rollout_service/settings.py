@@ -50,7 +50,7 @@ class Settings:
     handoff_window_ms: float = 5.0  # a stage gathers the jobs it hands to the next one for this long
     episode_start_gap_ms: float = 0.1  # between the episodes of one run message, so their calls do not march in step
     worker_log_level: str = "WARNING"  # log level of the Celery workers (INFO logs two lines per task)
-    task_events: bool = True  # Celery task events, what Flower shows; off saves ~30% of Celery's cost per task
+    task_events: bool = True  # Celery task events, what Flower shows; off spares every task sending them, a large part of Celery's cost per task
     gc_max_interval_s: float = 60.0  # a green worker collects cyclic garbage when idle, or this often under load
     metrics_flush_s: float = 0.5  # a green worker writes the metrics of the episodes that ended in this time together
     redis_max_connections: int = 64  # per process; callers beyond it wait for a free one
@@ -132,8 +132,8 @@ class Settings:
 
     @functools.cached_property
     def scratch_path(self) -> str:
-        """Where the small per-sandbox directories go: on a disk file system, making and removing one
-        cost ~1 ms of journaling per sandbox."""
+        """Where the small per-sandbox directories go: a memory file system, since on a disk one,
+        making and removing one costs journaling at every sandbox."""
         if self.sandbox_scratch_dir:
             return self.sandbox_scratch_dir
         import tempfile

@@ -11,8 +11,8 @@ The delta is derived from the template itself, not from hard-coded ChatML string
 fixed probe conversation (user, assistant) with and without the new messages and take the
 text after the probe's last end-of-turn token. A shape of messages (roles, names, tools) the
 template has rendered once, and puts every content into verbatim, is afterwards filled in, not
-rendered again (``ChatRenderer.render_framed``): a sandboxed Jinja render was a tenth of a run
-worker's CPU at a thousand episodes.
+rendered again (``ChatRenderer.render_framed``): a sandboxed Jinja render at every turn would be
+a large share of a run worker's CPU.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _load_tokenizer(name_or_path: str) -> Any:
     transformers = _transformers()
     try:
         if _is_plain_tokenizers_dir(Path(name_or_path)):
-            # What AutoTokenizer would pick here too, without importing torch (~1.5 s).
+            # What AutoTokenizer would pick here too, without importing torch (slow to import).
             return transformers.PreTrainedTokenizerFast.from_pretrained(name_or_path, local_files_only=True)
         return transformers.AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -199,8 +199,8 @@ _DIRECT_TEMPLATE_NEEDS = ("_alias_reasoning_fields", "_compile_jinja_template", 
 class _DirectTemplate:
     """The tokenizer's chat template rendered as ``apply_chat_template(tokenize=False)`` renders it
     for plain JSON messages, without the wrapper's per-call work (choosing and compiling the
-    template, converting the special-token variables and every message to plain data), a quarter
-    of a turn's rendering. The messages here are plain JSON already; None-valued keys are dropped
+    template, converting the special-token variables and every message to plain data), repeated
+    at every turn otherwise. The messages here are plain JSON already; None-valued keys are dropped
     and reasoning fields aliased as the wrapper does. The renderer checks it against the wrapper
     when it is built."""
 
@@ -269,7 +269,7 @@ class ChatRenderer:
             )
         self.tokenizer = tokenizer
         # the Rust tokenizer under a fast transformers tokenizer: the same ids without the wrapper's
-        # per-call Python (most of a turn's tokenization cost); None for a slow tokenizer
+        # per-call Python, which outweighs the tokenization itself; None for a slow tokenizer
         self._rust = (
             getattr(tokenizer, "_tokenizer", None)
             if getattr(tokenizer, "is_fast", False) and not getattr(tokenizer, "split_special_tokens", False)

@@ -161,11 +161,10 @@ class BackgroundStart:
 
     def stop_soon(self) -> None:
         """Stop in a thread of its own: a torn-down sandbox's processes take a while to die under
-        load (150 ms p50, 430 ms p90 with 200 of them on 2 cores), and nothing needs to wait for
-        it. Its uid goes back to the pool only once they are dead; the reaper covers a crash. At
-        most ``sandbox_concurrent_stops`` at once per process, the others in turn: 200 sandboxes
-        torn down together at the end of a step took the CPU from the last turns of the episodes
-        still running (their last LLM call's excess p50 5-28 ms, against 1-2 ms with 2-4 at once)."""
+        load, and nothing needs to wait for it. Its uid goes back to the pool only once they are
+        dead; the reaper covers a crash. At most ``sandbox_concurrent_stops`` at once per process,
+        the others in turn, so that the many sandboxes torn down together at the end of a step
+        leave the CPU to the last turns of the episodes still running."""
         in_background(self._stop_in_turn, name=f"stop-{self.sandbox.sandbox_id}")
 
     def _stop_in_turn(self) -> None:
@@ -193,7 +192,7 @@ def server_arguments(
 
     ``-I``: the workspace (the current directory) is never on sys.path, so a file there cannot
     shadow a module of the server. Without ``run_site`` (``-S``) start-up skips site-packages'
-    .pth processing: 7 ms instead of 20 ms per boot on the host's venv. A spec with a ``script``
+    .pth processing, paid at every boot otherwise. A spec with a ``script``
     runs that script, confined the same way, instead of the server."""
     flags = ["-I", *([] if run_site else ["-S"])]
     limits = [
@@ -277,8 +276,8 @@ _launcher = _Launcher()
 
 class Spawned:
     """A sandbox process started with ``os.posix_spawn`` (glibc spawns with vfork), for green
-    workers: gevent's Popen forks the whole worker, 10-20 ms of CPU for a run worker of a few
-    hundred MB plus copy-on-write faults after. All greenlets run on the main thread, which lives
+    workers: gevent's Popen forks the whole worker, which costs CPU in proportion to the worker's
+    memory, plus copy-on-write faults after. All greenlets run on the main thread, which lives
     as long as the process, so ``--die-with-parent`` holds. stdin is /dev/null, stdout a pipe."""
 
     def __init__(self, argv: list[str], stderr: Any) -> None:

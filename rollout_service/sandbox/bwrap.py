@@ -318,8 +318,8 @@ class ForkServer:
         self._log = ""
 
     def warm(self) -> None:
-        """Start this process's server ahead of its first sandbox (a cold start took 0.26-0.37 s
-        of an eval child's first grading, at the end of a run)."""
+        """Start this process's server ahead of its first sandbox, so that its cold start is not
+        paid by the first grading of an eval child."""
         with self._lock:
             self._connected()
 

@@ -25,8 +25,8 @@ def process_start_ticks(pid: int) -> int | None:
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``. Walks the kernel's per-thread ``children`` lists (the
-    subtree only); without them, one scan of every process's parent in /proc, which costs
-    ~10 ms per call with hundreds of sandboxes running and is paid at every sandbox stop."""
+    subtree only); without them, one scan of every process's parent in /proc, whose cost grows
+    with the number of sandboxes running and is paid at every sandbox stop."""
     if not _HAS_CHILDREN_LISTS:
         return _descendants_by_scan(pid)
     found, todo = [], [pid]
@@ -113,9 +113,9 @@ def kill_tree(pid: int, niceness: int = 0, namespace_init: bool = False) -> None
     first lowered to ``niceness`` (``priority.lower_priority_of``: their exit yields to live
     work). Looks again after 1, 2, 4, 8, then every 10 ms (~0.5 s in all) until none is left: a
     sandbox's processes are usually gone after the first round. The init of a pid namespace
-    (``namespace_init``) takes every process of its namespace with it: one round. Rounds of a
-    few hundred sandboxes torn down together at the end of a step took the CPU from the last
-    turns of the episodes still running."""
+    (``namespace_init``) takes every process of its namespace with it: one round. The pauses
+    between rounds leave the CPU to the episodes still running while many sandboxes are torn
+    down together at the end of a step."""
     delay_s = 0.001
     for round_number in range(55):
         victims = descendants(pid)

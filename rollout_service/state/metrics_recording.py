@@ -1,8 +1,8 @@
 """Counters and histograms kept in Redis, so every gateway and worker process adds to the same
 numbers. Each recording is ONE pipelined write: once per finished job and once per episode,
-never per turn; a green worker gathers them for ``metrics_flush_s`` and writes them together (a
-thousand episodes ending within a second made ~20 commands each, while other episodes waited on
-the same CPU for their next call). ``metrics.render`` turns them into Prometheus text.
+never per turn; a green worker gathers them for ``metrics_flush_s`` and writes them together, so
+that many episodes ending at once do not each send their own commands while other episodes wait
+on the same CPU for their next call. ``metrics.render`` turns them into Prometheus text.
 
 ``rollout:metrics:counters`` holds ``<name>|<labels>`` -> count; ``rollout:metrics:histograms``
 holds ``<name>|<labels>|<le>`` -> observations in that bucket alone (made cumulative when

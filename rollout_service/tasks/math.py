@@ -97,7 +97,8 @@ def plain_number(text: str) -> str | None:
 def plain_comparison(gold: str, answer: str | None) -> ScoreResponse | None:
     """The score without math-verify when both sides are plain numbers and the verdict is
     certain: equal values, or two different integers. math-verify parses each side with an
-    ANTLR LaTeX grammar (~1 ms); decimals that differ go to it for its rounding tolerance."""
+    ANTLR LaTeX grammar, slow next to comparing two numbers; decimals that differ go to it for its
+    rounding tolerance."""
     gold_number = plain_number(gold)
     answer_number = plain_number(answer) if answer is not None else None
     if gold_number is None or answer_number is None:

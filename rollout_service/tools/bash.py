@@ -77,8 +77,8 @@ class BashSession:
 
     def _spawn_shell(self, argv: list[str]) -> tuple[ptyprocess.PtyProcess, bool]:
         """The shell on a new pty, and whether its terminal is set up already (no echo, no CR before
-        LF). Spawned with posix_spawn (vfork): forking this server to exec bash copied its page
-        tables and pages, ~3 ms of CPU per sandbox; ptyprocess's own spawn where the shell must
+        LF). Spawned with posix_spawn (vfork): forking this server to exec bash would copy its page
+        tables and pages at every sandbox; ptyprocess's own spawn where the shell must
         start in another directory than this one."""
         if os.path.realpath(os.getcwd()) != os.path.realpath(self.cwd):
             return ptyprocess.PtyProcess.spawn(

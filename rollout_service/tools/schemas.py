@@ -71,7 +71,7 @@ TOOL_SCHEMAS: dict[str, dict] = {
 
 def tool_schemas(names: Iterable[str]) -> list[dict]:
     """The schemas of ``names``, in that order, ready for the chat template's ``tools``: the shared
-    ones, read only (every episode's prompt renders them; a copy each was a fifth of a prompt's cost)."""
+    ones, read only (every episode's prompt renders them; a copy each would add to every prompt's cost)."""
     schemas = []
     for name in names:
         if name not in TOOL_SCHEMAS:

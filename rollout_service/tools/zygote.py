@@ -1,7 +1,7 @@
 """The sandbox fork server: one per worker process, itself inside bubblewrap, that forks sandboxes.
 
-Booting a sandbox as its own ``bwrap`` + Python cost ~36 ms of CPU (bwrap's ~20 mounts, a Python
-start, the server's imports), and a grader as much again. This process pays that once: it runs in
+Booting a sandbox as its own ``bwrap`` + Python costs CPU for bwrap's mounts, a Python start and
+the server's imports, and a grader as much again. This process pays that once: it runs in
 one bwrap (the host read-only, no network, its own /tmp), has the action server and the grader's
 modules imported, and for each request forks:
 

@@ -94,8 +94,8 @@ def create_streaming(
     jobs: JobStore, requests: list[JobRequest], message_jobs: int, enqueue: Enqueue
 ) -> list[tuple[list[str], str]]:
     """Create and enqueue the requests' jobs a stage message at a time, so init starts on the first
-    ones while the rest are still being written (1,000 jobs took ~60 ms to write). Should a write
-    fail part way, the jobs already created are cancelled (best effort) and the error is raised."""
+    ones while the rest are still being written. Should a write fail part way, the jobs already
+    created are cancelled (best effort) and the error is raised."""
     created: list[tuple[list[str], str]] = []
     part: list[JobRequest] = []
     try:
