@@ -651,7 +651,7 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
     import gevent
     import redis
 
-    from rollout_service.schemas import JobRequest, JobStatus
+    from rollout_service.schemas import BackendSpec, JobRequest, JobStatus
     from rollout_service.settings import get_settings
     from rollout_service.state.metrics_recording import Increments
     from rollout_service.state.store import JobStore, Packed, StageEnd, pack, redis_client
@@ -666,7 +666,7 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
             admin = redis.Redis.from_url(server.url)
             store = JobStore(redis_client())
             pool = BackendPool(store.redis)
-            pool._register(args=[pool.prefix, "be-steps", "http://127.0.0.1:9", "vllm", "sim", "tok", 1])
+            pool.register(BackendSpec(url="http://127.0.0.1:9", kind="vllm", model="sim", tokenizer="tok"))
             request = JobRequest.model_validate(
                 {
                     "task": {"domain": "math", "problem": "2 + 2?", "answer": "4"},

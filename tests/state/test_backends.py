@@ -354,10 +354,10 @@ def test_probe_rounds_share_one_http_client(
     """Making an httpx client costs 20-60 ms of CPU; the control worker probes every few seconds."""
     import httpx
 
-    from rollout_service.state import backends
+    from rollout_service.state.backends import engines
 
     made, real_client = [], httpx.Client
-    monkeypatch.setattr(backends, "_health_clients", {})
+    monkeypatch.setattr(engines, "_health_clients", {})
     monkeypatch.setattr(httpx, "Client", lambda **kw: made.append(kw) or real_client(**kw))
     up = pool.register(spec(servers[0].port)).id
     for _ in range(3):
