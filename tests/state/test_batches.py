@@ -18,10 +18,11 @@ import httpx
 import pytest
 import redis
 
+from rollout_service.errors import NotFound
 from rollout_service.runtime.tokens import ChatRenderer, load_tokenizer
 from rollout_service.schemas import TERMINAL_STATUSES, BatchRequest, JobStatus
 from rollout_service.settings import Settings
-from rollout_service.state.batches import BatchControl, BatchStore
+from rollout_service.state.batches import BatchControl, BatchStore, batch_key
 from rollout_service.state.store import JobStore
 from tests.helpers import math_task, tool_call
 
@@ -130,6 +131,17 @@ def test_a_redelivered_member_event_changes_no_counter(sim_factory):
     assert sim.run_one(second) == "accepted"
     assert sim.control.member_done(second) == "not_in_flight"
     assert sim.control.batches.view(batch_id).accepted == 1 and sim.queue.qsize() == 2
+
+
+def test_reading_a_batch_whose_keys_expired_is_not_found(sim_factory):
+    sim = sim_factory(by_task("mixed"))
+    batch_id = sim.submit(2, group_size=2, target_groups=1)
+    batches = sim.control.batches
+    assert batches.task(batch_id, 1) == math_task("task 1")
+    sim.jobs.redis.delete(*sim.jobs.redis.keys(batch_key(batch_id) + "*"))
+    for read in (batches.fields, batches.status, batches.view, lambda b: batches.task(b, 1)):
+        with pytest.raises(NotFound, match="never existed or its TTL expired"):
+            read(batch_id)
 
 
 def test_a_failed_member_drops_its_group_and_cancels_its_siblings(sim_factory):
