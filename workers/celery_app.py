@@ -1,32 +1,29 @@
 """The one Celery configuration every process shares (gateway, every worker pool, Flower).
 
-Tasks, queues and kombu keys are named in workers/dispatch.py only. Reliability settings follow docs/architecture.md: late acks, reject on worker loss, prefetch 1, and a
+Tasks and queues are named in workers/dispatch.py only, kombu's keys and internals in workers/broker.py. Reliability settings follow docs/architecture.md: late acks, reject on worker loss, prefetch 1, and a
 visibility timeout above the longest job deadline, set identically everywhere.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import gc
 import importlib
 import logging
 import resource
 import threading
 import time
-from collections.abc import Iterator
-from queue import Empty
 from typing import Any
 
 import redis
 from celery import Celery
+from celery.app.utils import Settings as CeleryConfig
 from celery.signals import celeryd_init, worker_process_init, worker_ready
 from celery.worker import state as worker_state
-from kombu.transport import redis as kombu_redis
 
 from rollout_service.concurrency.green import IdleCollector, green_process
 from rollout_service.settings import Settings, get_settings
-from rollout_service.state.store import resolve_redis_url
+from rollout_service.state.connection import resolve_redis_url
+from workers import broker
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +40,6 @@ worker_slots = 0  # this worker's --concurrency (the largest of --autoscale); 0 
 consumer_qos: Any = None  # this worker's prefetch window (kombu.common.QoS), once it consumes
 
 
-class _Channel(kombu_redis.Channel):
-    """kombu's Redis channel, publishing through one client: kombu's makes a ``redis.Redis`` for
-    every message it sends (60-100 us each, its table of reply callbacks), which a run worker paid
-    for every task event and stage hand-off. The clients shared the channel's connection pool
-    anyway."""
-
-    @contextlib.contextmanager
-    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
-        yield client or self._publishing_client
-
-    @functools.cached_property
-    def _publishing_client(self) -> redis.Redis:
-        return self._create_client()
-
-
-class Transport(kombu_redis.Transport):
-    Channel = _Channel
-
-
 def create_app(settings: Settings | None = None) -> Celery:
     """The Celery app of every process, configured from ``settings``, or else from this process's
     settings when its configuration is first used (importing this module needs no Redis). The
@@ -76,7 +54,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     visibility_s = max(settings.visibility_timeout_s, int(settings.job_deadline_s) * 2)
     return dict(
         broker_url=settings.broker_url or resolve_redis_url(settings),
-        broker_transport=f"{__name__}:Transport",  # a name: a worker reports it in its stats (JSON)
+        broker_transport=broker.TRANSPORT,
         task_ignore_result=True,
         result_backend=None,
         task_acks_late=True,
@@ -99,7 +77,7 @@ app = create_app()
 
 
 @celeryd_init.connect
-def _size_to_slots(conf: object, options: dict, **_: object) -> None:
+def _size_to_slots(conf: CeleryConfig, options: dict[str, Any], **_: object) -> None:
     """Record this worker's slots and size what they use: the broker pool, the open-file limit.
 
     kombu's Redis transport gives each worker a pool of 10 broker connections that fails
@@ -115,7 +93,7 @@ def _size_to_slots(conf: object, options: dict, **_: object) -> None:
     global worker_slots
     worker_slots = slots
     conf.broker_transport_options = {
-        **conf.broker_transport_options,  # type: ignore[attr-defined]
+        **conf.broker_transport_options,
         "max_connections": slots + BROKER_SPARE_CONNECTIONS,
     }
     _raise_open_file_limit(slots)
@@ -160,7 +138,7 @@ PRELOAD = {
 
 
 @celeryd_init.connect
-def _preload_and_freeze(options: dict, **_: object) -> None:
+def _preload_and_freeze(options: dict[str, Any], **_: object) -> None:
     """A full collection of a worker's start-up objects (transformers alone is ~80k) took 50-100 ms,
     during which a green worker answers none of its hundreds of episodes: it showed as ~90 ms of
     per-turn overhead whenever a batch of episodes started. Freeze them once, after importing
@@ -177,34 +155,7 @@ def _preload_and_freeze(options: dict, **_: object) -> None:
     gc.freeze()
 
 
-PAUSED_POLL_S = 0.01
-
-
-def _wake_soon_when_paused() -> None:
-    """Green pools (gevent) run Celery's synloop, which sends the acks of finished tasks only
-    between two polls, while kombu's Redis transport keeps polling for up to 2 s once the
-    prefetch window is full. A worker with every slot busy then idled up to 2 s each time one
-    freed (measured: 32 jobs through a 4-slot init worker took 8.9 s). With the window full,
-    poll for PAUSED_POLL_S and hand control back, so the acks go out (the same 32 jobs: 0.6 s)."""
-    poller = kombu_redis.MultiChannelPoller
-    if getattr(poller.get, "_rollout_patched", False):
-        return
-    original = poller.get
-
-    def get(self: object, callback: object, timeout: float | None = None) -> object:
-        channels = getattr(self, "_channels", ())
-        if any(channel.active_queues and not channel.qos.can_consume() for channel in channels):
-            try:  # window full: look briefly, then hand control back so pending acks go out
-                return original(self, callback, PAUSED_POLL_S)
-            except Empty:
-                raise TimeoutError() from None
-        return original(self, callback, timeout)
-
-    get._rollout_patched = True  # type: ignore[attr-defined]
-    poller.get = get  # type: ignore[method-assign]
-
-
-_wake_soon_when_paused()
+broker.wake_soon_when_paused()
 
 
 def warm_renderers(client: redis.Redis) -> None:

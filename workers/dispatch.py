@@ -1,30 +1,30 @@
-"""The one door to Celery: the only module that names tasks, queues and kombu keys.
+"""The one door to Celery: the only module that names tasks and queues (kombu's keys: workers/broker.py).
 
 A stage message carries a list of job ids, not one job: under load one Celery task moves
 dozens of jobs, so Celery's cost per task (delivery, events, ack) is paid per batch. The
 gateway sends a submission's jobs to ``init`` in messages of up to ``stage_batch_max_jobs``;
 each stage hands the jobs it finished to the next through a ``Handoff``, which gathers them
 for ``handoff_window_ms`` into one message. Everything else (gateway routes, batches, the
-control worker) asks this module to enqueue or announce. Importing it registers the batch
-event with the job store (``JobStore.finish`` then announces a batch member's end here).
+control worker) asks this module to enqueue or announce; the job stores the workers and the
+gateway build announce a batch member's end through ``announce_batch_member_done``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import redis
 
 from rollout_service.errors import UnknownName
 from rollout_service.settings import get_settings
-from rollout_service.state import store as job_store_module
-from rollout_service.state.store import STAGES
+from rollout_service.state.keys import STAGES
+from workers import broker
 from workers.celery_app import HEARTBEAT_KEY_PREFIX, app
 
 log = logging.getLogger(__name__)
@@ -37,34 +37,7 @@ TASK_NAMES = {
 SCORE_TASK = "workers.eval.score_submission"
 BATCH_MEMBER_DONE_TASK = "workers.control.batch_member_done"
 HOUSEKEEPING_TASK = "workers.control.housekeeping"
-# kombu's Redis transport: a queue is a list named after it (plus one list per extra priority
-# step), and delivered-but-unacked messages sit in the ``unacked`` hash until acked.
-KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (3, 6, 9)
-KOMBU_UNACKED = "unacked"
-# kombu stores a message body base64-encoded but its headers as plain JSON: this header lists the
-# message's jobs as "<job id>.<stage>" marks, so a server-side scan can tell which jobs a queue holds.
-JOBS_HEADER = "rollout_jobs"
-
-# Which of ARGV[3:] (marks) the messages of list KEYS[1] from index ARGV[1] to ARGV[2] carry
-# (a hash's values when ARGV[1] is -1).
-_MESSAGES_PRESENT = """
-local wanted, found = {}, {}
-for i = 3, #ARGV do wanted[ARGV[i]] = true end
-local raws
-if ARGV[1] == '-1' then raws = redis.call('HVALS', KEYS[1])
-else raws = redis.call('LRANGE', KEYS[1], ARGV[1], ARGV[2]) end
-for _, raw in ipairs(raws) do
-  local marks = string.match(raw, '"rollout_jobs": %[(.-)%]')
-  if marks then
-    for mark in string.gmatch(marks, '"([^"]+)"') do
-      if wanted[mark] then found[#found + 1] = mark; wanted[mark] = nil end
-    end
-  end
-end
-return {found, #raws}
-"""
-SCAN_CHUNK = 500  # messages per server-side scan step (2,000 took 13 ms of Redis time with 1.6 KB messages)
+JOBS_HEADER = broker.JOBS_HEADER  # lists a message's jobs as stage marks
 
 
 def stage_mark(job_id: str, stage: str) -> str:
@@ -189,65 +162,21 @@ def announce_batch_member_done(job_id: str, batch_id: str) -> None:
         app.send_task(BATCH_MEMBER_DONE_TASK, args=(job_id,), queue="control")
 
 
-job_store_module.on_job_finished(announce_batch_member_done)
-
-
 def served_queues(client: redis.Redis) -> set[str]:
     """Queues some live worker consumes, from the workers' heartbeat keys."""
     queues: set[str] = set()
     keys = list(client.scan_iter(f"{HEARTBEAT_KEY_PREFIX}*"))
-    for value in client.mget(keys) if keys else []:
+    for value in cast(list[bytes | None], client.mget(keys)) if keys else []:
         if value:
             queues.update(value.decode().split(","))
     return queues
 
 
 def messages_present(client: redis.Redis, marks: list[str]) -> set[str]:
-    """The marks (``stage_mark``) that some message waiting in a queue, or delivered and not acked yet, carries.
-    Scans every queue list head to tail in chunks of SCAN_CHUNK (kombu pushes at the head and pops
-    at the tail, so a message that stays queued is never skipped), then the unacked hash; only
-    matches come back from the server."""
-    wanted, found = list(marks), set()
-    script = client.register_script(_MESSAGES_PRESENT)
-    for key in [
-        f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" if step else queue
-        for queue in QUEUES
-        for step in (0, *KOMBU_PRIORITY_STEPS)
-    ]:
-        start = 0
-        while wanted:
-            hits, seen = script(keys=[key], args=[start, start + SCAN_CHUNK - 1, *wanted])
-            found.update(t.decode() for t in hits)
-            wanted = [t for t in wanted if t not in found]
-            if seen < SCAN_CHUNK:
-                break
-            start += SCAN_CHUNK
-    if wanted:
-        hits, _ = script(keys=[KOMBU_UNACKED], args=[-1, 0, *wanted])
-        found.update(t.decode() for t in hits)
-    return found
+    """The marks (``stage_mark``) that some message waiting in a queue, or delivered and not acked yet, carries."""
+    return broker.messages_present(client, QUEUES, marks)
 
 
 def queue_lengths(client: redis.Redis) -> dict[str, dict[str, int]]:
-    """Per queue: ``queued`` (messages waiting in the broker lists, every priority step) and
-    ``unacked`` (delivered to a worker and not acked yet). With late acks ``unacked`` counts
-    reserved *and* running tasks: kombu does not record in Redis whether a delivered task started."""
-    pipe = client.pipeline(transaction=False)
-    for queue in QUEUES:
-        pipe.llen(queue)
-        for step in KOMBU_PRIORITY_STEPS:
-            pipe.llen(f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}")
-    pipe.hvals(KOMBU_UNACKED)
-    replies = pipe.execute()
-    per_queue = 1 + len(KOMBU_PRIORITY_STEPS)
-    lengths = {
-        q: {"queued": sum(replies[i * per_queue : (i + 1) * per_queue]), "unacked": 0} for i, q in enumerate(QUEUES)
-    }
-    for raw in replies[-1]:
-        try:
-            routing_key = json.loads(raw)[2]
-        except (ValueError, IndexError, TypeError):
-            continue
-        if routing_key in lengths:
-            lengths[routing_key]["unacked"] += 1
-    return lengths
+    """Per queue: ``queued`` and ``unacked`` messages (``broker.queue_lengths``)."""
+    return broker.queue_lengths(client, QUEUES)

@@ -27,9 +27,11 @@ from celery.worker import state as worker_state
 from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError, SandboxError
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
+from rollout_service.state.codec import unpack
+from rollout_service.state.connection import redis_client
 from rollout_service.state.metrics_recording import Increments
-from rollout_service.state.store import BeginCall, JobStore, StageEnd, redis_client, unpack
-from workers import celery_app, dispatch
+from rollout_service.state.store import BeginCall, JobStore, StageEnd
+from workers import dispatch
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,9 @@ def job_store() -> JobStore:
     settings = get_settings()
     store = _stores.get(os.getpid())
     if store is None or store.settings is not settings:
-        store = _stores[os.getpid()] = JobStore(redis_client(settings), settings)
+        store = _stores[os.getpid()] = JobStore(
+            redis_client(settings), settings, on_finished=[dispatch.announce_batch_member_done]
+        )
     return store
 
 
@@ -146,8 +150,8 @@ def stage(
         raise SkipStage(f"job {job_id} is {values[0]}; {name} has nothing to do")
     if verdict == "cancelled":
         store.finish(job_id, JobStatus.cancelled, finish_reason=FinishReason.cancelled.value)
-        if blobs.get("trajectory") is not None:  # its episode ended before the cancel took effect
-            mark_trajectory_cancelled(store, job_id, unpack(blobs["trajectory"]))
+        if (trajectory := blobs.get("trajectory")) is not None:  # its episode ended before the cancel took effect
+            mark_trajectory_cancelled(store, job_id, unpack(trajectory))
         raise SkipStage(f"job {job_id} was cancelled before {name}")
     if verdict == "leased":  # a live duplicate; should its holder die, housekeeping re-sends the stage
         raise SkipStage(f"job {job_id} is in {name} under another worker's lease")
@@ -261,36 +265,3 @@ def wait_published(published: Sequence[threading.Event | None]) -> None:
     for event in published:
         if event is not None:
             event.wait()
-
-
-class Slots:
-    """How many jobs a process runs at once: its worker's --concurrency, however many jobs the
-    messages its tasks receive carry. Celery counts a message as one task; while a task runs k
-    jobs, the worker's prefetch is lowered by k - 1 (as Celery does for ETA tasks), so a full
-    worker stops taking messages and leaves them in the queue for other workers."""
-
-    def __init__(self) -> None:
-        self.used = 0
-        self._free = threading.Condition()
-
-    @property
-    def capacity(self) -> int:
-        return celery_app.worker_slots or get_settings().run_concurrency
-
-    def take(self, wanted: int, wait_s: float) -> int:
-        """Up to ``wanted`` of the free slots, after waiting up to ``wait_s`` for one to free."""
-        with self._free:
-            self._free.wait_for(lambda: self.used < self.capacity, timeout=wait_s)
-            granted = max(min(wanted, self.capacity - self.used), 0)
-            self.used += granted
-        if granted > 1 and celery_app.consumer_qos is not None:
-            celery_app.consumer_qos.decrement_eventually(granted - 1)
-        return granted
-
-    def give_back(self, beyond_first: bool) -> None:
-        """A job ended; ``beyond_first``: not the first job its task took (that one is the message's)."""
-        with self._free:
-            self.used -= 1
-            self._free.notify()
-        if beyond_first and celery_app.consumer_qos is not None:
-            celery_app.consumer_qos.increment_eventually(1)

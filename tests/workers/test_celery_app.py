@@ -76,7 +76,7 @@ def test_publishing_many_messages_reuses_one_redis_client_and_every_message_arri
     monkeypatch.setattr(redis.Redis, "__init__", counting)
     for n in range(50):
         app.send_task("probe", args=[n], queue="probe-queue")
-    assert 1 <= len(made) <= 3  # kombu's own made one per message: 50 or more
+    assert len(made) <= 3  # kombu's own Channel makes one per message: 50 or more (none: a channel made earlier)
     assert redis_client.llen("probe-queue") == 50
 
 
@@ -98,4 +98,4 @@ def test_an_app_is_configured_from_the_settings_it_is_built_with(redis_url):
     assert app.conf.broker_transport_options == {"visibility_timeout": 18000}  # twice the longest job deadline
     assert app.conf.task_acks_late and app.conf.task_reject_on_worker_lost and app.conf.worker_prefetch_multiplier == 1
     with app.connection_for_write() as connection:
-        assert type(connection.transport).__module__ == "workers.celery_app"
+        assert type(connection.transport).__module__ == "workers.broker"
