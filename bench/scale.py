@@ -653,8 +653,10 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
 
     from rollout_service.schemas import BackendSpec, JobRequest, JobStatus
     from rollout_service.settings import get_settings
+    from rollout_service.state.codec import Packed, pack
+    from rollout_service.state.connection import redis_client
     from rollout_service.state.metrics_recording import Increments
-    from rollout_service.state.store import JobStore, Packed, StageEnd, pack, redis_client
+    from rollout_service.state.store import JobStore, StageEnd
 
     with tempfile.TemporaryDirectory(prefix="bench-redis-steps-") as tmp:
         server = RedisServer(Path(tmp)).start()

@@ -297,7 +297,7 @@ def cmd_reap(args: argparse.Namespace) -> int:
     import redis
 
     from rollout_service.sandbox import reap_expired
-    from rollout_service.state.store import redis_client
+    from rollout_service.state.connection import redis_client
 
     host = None if args.all_hosts else _hostname()
     while True:

@@ -21,7 +21,8 @@ from rollout_service.errors import StoreUnavailable
 from rollout_service.schemas import TERMINAL_STATUSES, JobStatus
 from rollout_service.settings import get_settings
 from rollout_service.state.backends import BackendPool
-from rollout_service.state.store import JobStore, broker_client
+from rollout_service.state.connection import broker_client
+from rollout_service.state.store import JobStore
 from workers import dispatch
 from workers.celery_app import app
 from workers.stage import STAGE_STATUS, job_store

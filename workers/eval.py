@@ -10,7 +10,7 @@ import redis
 from rollout_service.errors import RolloutError, StoreUnavailable
 from rollout_service.runtime.scoring import complete_scored
 from rollout_service.schemas import JobRequest, ScoreRequest
-from rollout_service.state.store import with_field
+from rollout_service.state.codec import with_field
 from rollout_service.tasks import get_handler
 from workers import dispatch
 from workers.celery_app import app

@@ -16,8 +16,9 @@ import redis
 
 from rollout_service.sandbox.registry import EXPIRY_KEY
 from rollout_service.state.backends import BackendPool
+from rollout_service.state.connection import as_text, broker_client
+from rollout_service.state.keys import LIVE_JOBS, PREFIX
 from rollout_service.state.metrics_recording import COUNTERS, COUNTERS_KEY, HISTOGRAMS, HISTOGRAMS_KEY, labels_text
-from rollout_service.state.store import LIVE_JOBS, PREFIX, as_text, broker_client
 
 QUEUES = ("init", "run", "eval", "control")
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"

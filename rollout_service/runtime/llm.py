@@ -30,7 +30,9 @@ from rollout_service.runtime.trajectory import TrajectoryBuilder
 from rollout_service.schemas import BackendView, FinishReason, Sampling
 from rollout_service.settings import get_settings
 from rollout_service.state.backends import AllBackendsDown, BackendPool, FirstCall
-from rollout_service.state.store import CANCEL_CHANNEL, JobStore, as_text
+from rollout_service.state.connection import as_text
+from rollout_service.state.keys import CANCEL_CHANNEL
+from rollout_service.state.store import JobStore
 
 OUTAGE_POLL_S = 1.0  # while every backend of a job's model is down, how often its call asks for one again
 

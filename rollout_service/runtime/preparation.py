@@ -19,7 +19,8 @@ from rollout_service.schemas import (
 )
 from rollout_service.settings import Settings
 from rollout_service.state.backends import BackendPool
-from rollout_service.state.store import JobStore, workspace_dir
+from rollout_service.state.keys import workspace_dir
+from rollout_service.state.store import JobStore
 from rollout_service.tasks import DomainHandler, get_handler
 from rollout_service.tools.schemas import tool_schemas
 

@@ -56,8 +56,10 @@ from rollout_service.schemas import (
     JobRequest,
     JobStatus,
 )
+from rollout_service.state.connection import as_text
 from rollout_service.state.enqueue import Enqueue
-from rollout_service.state.store import PREFIX, JobStore, as_text, new_id
+from rollout_service.state.keys import PREFIX, new_id
+from rollout_service.state.store import JobStore
 from rollout_service.tasks import first_stage
 
 STALE_RESERVATION_S = 30.0  # a reservation this old lost its creator: heal re-creates its jobs

@@ -20,3 +20,6 @@ class Enqueuer(Protocol):
 
     def served_queues(self, client: redis.Redis) -> set[str]:
         """The queues a live worker consumes."""
+
+    def announce_batch_member_done(self, job_id: str, batch_id: str) -> None:
+        """A job of batch ``batch_id`` ('' none) ended: its batch decides its group."""

@@ -29,7 +29,7 @@ def test_many_greenlets_share_round_trips_and_each_gets_its_own_reply(redis_clie
         import json, os
         import gevent, redis
         from rollout_service.concurrency.autopipeline import AutoPipelineRedis
-        from rollout_service.state.store import client_class
+        from rollout_service.state.connection import client_class
 
         client = AutoPipelineRedis.from_url(os.environ["REDIS_URL"])
         count = client.register_script("return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)")
@@ -93,7 +93,7 @@ def test_outside_gevent_a_pipeline_loads_its_script_once_and_again_after_the_ser
     import redis
 
     from rollout_service.concurrency.autopipeline import ScriptLoadingRedis
-    from rollout_service.state.store import client_class
+    from rollout_service.state.connection import client_class
 
     client = ScriptLoadingRedis.from_url(redis_url)
     count = client.register_script("return redis.call('INCR', KEYS[1])")

@@ -13,7 +13,8 @@ from rollout_service.errors import ApiError
 from rollout_service.runtime import inference
 from rollout_service.runtime.inference import ReferenceClient, VLLMClient
 from rollout_service.schemas import Sampling
-from rollout_service.state.store import JobStore, unpack
+from rollout_service.state.codec import unpack
+from rollout_service.state.store import JobStore
 from tests.helpers import math_task
 
 EOS = 2  # SmolLM2's <|im_end|>

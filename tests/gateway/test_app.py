@@ -19,6 +19,7 @@ class RecordingEnqueuer:
         self.jobs: list[tuple[list[str], str]] = []
         self.scores: list[str] = []
         self.served = set(served)
+        self.finished: list[tuple[str, str]] = []
 
     def enqueue_jobs(self, job_ids: Iterable[str], stage: str) -> None:
         self.jobs.append((list(job_ids), stage))
@@ -28,6 +29,9 @@ class RecordingEnqueuer:
 
     def served_queues(self, client: redis.Redis) -> set[str]:
         return self.served
+
+    def announce_batch_member_done(self, job_id: str, batch_id: str) -> None:
+        self.finished.append((job_id, batch_id))
 
 
 @pytest.mark.parametrize(
@@ -159,8 +163,8 @@ def test_a_route_under_a_redis_that_stalls_answers_correctly_after_retrying(redi
     from rollout_service.gateway.app import create_app
     from rollout_service.schemas import JobRequest
     from rollout_service.settings import Settings
+    from rollout_service.state.connection import redis_client as service_client
     from rollout_service.state.store import JobStore
-    from rollout_service.state.store import redis_client as service_client
 
     settings = Settings(redis_url=redis_url, redis_socket_timeout_s=0.3, redis_retries=6)
     job_ids, _ = JobStore(service_client(settings), settings).create_jobs(

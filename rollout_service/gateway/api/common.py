@@ -20,8 +20,9 @@ from werkzeug.routing import BaseConverter
 from rollout_service.errors import NotFound, UnsupportedMediaType, ValidationError
 from rollout_service.schemas import where
 from rollout_service.settings import Settings
+from rollout_service.state.connection import redis_client
 from rollout_service.state.enqueue import Enqueuer
-from rollout_service.state.store import JobStore, redis_client
+from rollout_service.state.store import JobStore
 
 MSGPACK = "application/msgpack"
 BODY_TYPES = (
@@ -148,7 +149,7 @@ def enqueuer() -> Enqueuer:
 
 def store() -> JobStore:
     if "store" not in g:
-        g.store = JobStore(redis_client(settings()), settings())
+        g.store = JobStore(redis_client(settings()), settings(), on_finished=[enqueuer().announce_batch_member_done])
     return g.store
 
 

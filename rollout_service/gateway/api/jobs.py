@@ -50,8 +50,10 @@ from rollout_service.schemas import (
     WaitResponse,
 )
 from rollout_service.state.backends import BackendPool
+from rollout_service.state.codec import unpack
 from rollout_service.state.enqueue import Enqueue
-from rollout_service.state.store import FINISHED_CHANNEL, JobStore, new_id, unpack
+from rollout_service.state.keys import FINISHED_CHANNEL, new_id
+from rollout_service.state.store import JobStore
 from rollout_service.tasks import first_stage
 
 blueprint = Blueprint("jobs", __name__)

@@ -11,7 +11,7 @@ from rollout_service.gateway import metrics
 from rollout_service.gateway.api.common import enqueuer, reply, route, settings, store
 from rollout_service.gateway.api.openapi import spec
 from rollout_service.schemas import Health, Readiness
-from rollout_service.state.store import STAGES
+from rollout_service.state.keys import STAGES
 
 blueprint = Blueprint("ops", __name__)
 

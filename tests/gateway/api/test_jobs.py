@@ -157,7 +157,8 @@ def test_a_wait_answers_once_ends_stop_coming_not_a_whole_linger_later(client, s
 def test_a_bulk_submission_is_enqueued_a_stage_message_at_a_time_and_a_failed_write_cancels_what_it_made(service):
     from rollout_service.schemas import JobRequest
     from rollout_service.settings import Settings
-    from rollout_service.state.store import JOB_INDEX, JobStore
+    from rollout_service.state.keys import JOB_INDEX
+    from rollout_service.state.store import JobStore
 
     class FailingThirdWrite(JobStore):
         writes = 0

@@ -1,0 +1,97 @@
+"""The Lua scripts behind a job's status moves and stage begins and ends: each runs atomically in
+Redis, so a job reaches exactly one terminal state whatever redeliveries, cancels and deadlines race
+for it."""
+
+from __future__ import annotations
+
+# What a terminal move answers with: the fields the metrics and the finish hooks read.
+ENDED_FIELDS = (
+    "status",
+    "finish_reason",
+    "batch_id",
+    "created_at",
+    "init_start",
+    "init_end",
+    "run_start",
+    "run_end",
+    "eval_start",
+    "eval_end",
+    "attempts_init",
+    "attempts_run",
+    "attempts_eval",
+)
+
+# A status move. KEYS: job hash, live set, finished channel. ARGV from ``o``: status, allowed from
+# (comma-separated, '' any), '1' if terminal, job id, then field, value pairs.
+_MOVE = """
+local function move(o)
+  local cur = redis.call('HGET', KEYS[1], 'status')
+  if not cur then return -1 end
+  if cur == 'completed' or cur == 'failed' or cur == 'cancelled' or cur == 'timed_out' then return 0 end
+  if ARGV[o + 1] ~= '' then
+    local ok = false
+    for s in string.gmatch(ARGV[o + 1], '[^,]+') do if s == cur then ok = true end end
+    if not ok then return 0 end
+  end
+  redis.call('HSET', KEYS[1], 'status', ARGV[o], unpack(ARGV, o + 4))
+  if ARGV[o + 2] == '1' then
+    redis.call('SREM', KEYS[2], ARGV[o + 3])
+    redis.call('PUBLISH', KEYS[3], ARGV[o + 3])
+    return redis.call('HMGET', KEYS[1], ENDED_FIELDS)
+  end
+  return 1
+end
+""".replace("ENDED_FIELDS", ", ".join(f"'{name}'" for name in ENDED_FIELDS))
+
+TRANSITION = _MOVE + "return move(1)"
+
+# Everything a stage checks and records before its body, in one round trip, as a Lua function other
+# scripts can begin with (backends.py: the run stage's begin with its first LLM call).
+# KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
+# attempts field, start field, now, end field (a stage that already ended never runs again),
+# a status the stage may also begin from ('' none) and the field stamped then (the run stage of a
+# job that skipped init: it begins from queued and stamps init_start).
+BEGIN_STAGE_FUNCTION = """
+local function begin_stage()
+  local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8],
+                       ARGV[5])
+  if not f[1] then return {'missing'} end
+  local skipped = f[1] == ARGV[9]
+  if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
+  if f[2] == '1' then return {'cancelled'} end
+  if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
+  local attempts = tonumber(f[6] or '0') + 1
+  if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7], ARGV[10], ARGV[7])
+  else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7]) end
+  return {'ok', f[3], attempts, f[4] or '0'}
+end
+"""
+BEGIN_STAGE_ARGS = 10  # a script that begins with begin_stage() reads its own ARGV after these
+BEGIN_STAGE = BEGIN_STAGE_FUNCTION + "return begin_stage()"
+
+END_STAGE = """
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
+return redis.call('HGET', KEYS[1], 'status')
+"""
+
+# A stage's end with a move first: {what TRANSITION answers, the status after}. KEYS: job hash, live
+# set, finished channel, lease. ARGV: lease owner, n, n args of field, value pairs, the move's ARGV
+# (whose field, value pairs end with the same n: a move sets them with its own).
+MOVE_AND_END_STAGE = (
+    _MOVE
+    + """
+local n = tonumber(ARGV[2])
+local moved = move(n + 3)
+if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+if moved == -1 then return {moved, false} end
+if moved ~= 0 then return {moved, ARGV[n + 3]} end
+if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, n + 2)) end
+return {moved, redis.call('HGET', KEYS[1], 'status')}
+"""
+)
+
+RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
