@@ -5,6 +5,9 @@ submitted is undone afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
@@ -31,6 +34,26 @@ CHECKS = [
 ]
 
 
+def fuzz(operation: Any, mode: GenerationMode, checks: list, calls: list[int]) -> Callable[[], None]:
+    """Hypothesis' test of one operation in one generation mode (seeded, no database)."""
+
+    @seed(25)
+    @settings(
+        max_examples=EXAMPLES_PER_ROUTE_AND_MODE,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def call(case: schemathesis.Case) -> None:
+        case.call_and_validate(checks=checks, timeout=90)
+        calls.append(1)
+
+    return call
+
+
 def test_no_generated_request_gets_a_5xx_or_an_answer_the_document_does_not_describe(service):
     backends_before = {b["id"] for b in httpx.get(f"{service.url}/v1/backends").json()["backends"]}
     schema = schemathesis.openapi.from_url(f"{service.url}/openapi.json")
@@ -42,22 +65,8 @@ def test_no_generated_request_gets_a_5xx_or_an_answer_the_document_does_not_desc
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 checks = CHECKS + ([negative_data_rejection] if mode is GenerationMode.NEGATIVE else [])
 
-                @seed(25)
-                @settings(
-                    max_examples=EXAMPLES_PER_ROUTE_AND_MODE,
-                    deadline=None,
-                    derandomize=True,
-                    database=None,
-                    suppress_health_check=list(HealthCheck),
-                    print_blob=False,
-                )
-                @given(case=operation.as_strategy(generation_mode=mode))
-                def call(case: schemathesis.Case, checks: list = checks) -> None:
-                    case.call_and_validate(checks=checks, timeout=90)
-                    calls.append(1)
-
                 try:
-                    call()
+                    fuzz(operation, mode, checks, calls)()
                 except Unsatisfiable:  # a route without parameters or body has no invalid input
                     assert mode is GenerationMode.NEGATIVE
                 except (Exception, BaseExceptionGroup) as exc:  # every operation runs; failures are reported together
