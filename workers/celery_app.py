@@ -20,7 +20,7 @@ from celery.app.utils import Settings as CeleryConfig
 from celery.signals import celeryd_init, worker_process_init, worker_ready
 from celery.worker import state as worker_state
 
-from rollout_service.concurrency.green import IdleCollector, green_process
+from rollout_service.concurrency.green import collect_when_idle
 from rollout_service.settings import Settings, get_settings
 from rollout_service.state.connection import resolve_redis_url
 from workers import broker
@@ -176,7 +176,7 @@ def _announce_queues(sender: object, **_: object) -> None:
     """Keep ``rollout:worker:<host>`` alive while this worker consumes, so /readyz can tell
     (workers/dispatch.py reads it); keep the consumer's prefetch window for the run slots; an init
     or run worker loads the tokenizers of registered backends before its first job needs them; a
-    green worker collects cyclic garbage when idle (``IdleCollector``)."""
+    green worker collects cyclic garbage when idle (``collect_when_idle``)."""
     global consumer_qos
     consumer_qos = getattr(sender, "qos", None)
     queues = ",".join(q.name for q in sender.task_consumer.queues)  # type: ignore[attr-defined]
@@ -201,8 +201,7 @@ def _announce_queues(sender: object, **_: object) -> None:
 
     if {"init", "run"} & set(queues.split(",")):
         threading.Thread(target=warm, name="renderer-warmer", daemon=True).start()
-    if green_process():
-        IdleCollector(lambda: not worker_state.active_requests, get_settings().gc_max_interval_s).take_over(GC_CHECK_S)
+    collect_when_idle(lambda: not worker_state.active_requests, get_settings().gc_max_interval_s, GC_CHECK_S)
 
     threading.Thread(target=beat, name="queue-heartbeat", daemon=True).start()
 

@@ -92,3 +92,13 @@ class IdleCollector:
         while True:
             time.sleep(check_s)
             self.tick()
+
+
+def collect_when_idle(is_idle: Callable[[], bool], max_interval_s: float, check_s: float) -> IdleCollector | None:
+    """In a green worker, an ``IdleCollector`` checking every ``check_s`` takes over the cyclic
+    garbage collector; elsewhere collection stays automatic (None)."""
+    if not green_process():
+        return None
+    collector = IdleCollector(is_idle, max_interval_s)
+    collector.take_over(check_s)
+    return collector

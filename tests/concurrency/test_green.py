@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-from rollout_service.concurrency.green import green_process, in_background
+from rollout_service.concurrency.green import collect_when_idle, green_process, in_background
 
 
 def test_in_a_green_worker_background_work_is_started_without_waiting_for_it_to_begin() -> None:
@@ -127,3 +128,23 @@ def test_work_that_can_wait_runs_after_what_is_ready_in_a_green_worker_and_at_mo
     result = json.loads(done.stdout)
     assert result["order"] == ["turn"] * 30 + ["records"]
     assert 0.1 <= result["capped"] < 1.0
+
+
+def test_only_a_green_worker_hands_the_cyclic_collector_to_an_idle_collector() -> None:
+    assert collect_when_idle(lambda: True, max_interval_s=60, check_s=60) is None and gc.isenabled()
+    script = textwrap.dedent("""
+        from gevent import monkey; monkey.patch_all()
+        import gc, json
+        from rollout_service.concurrency.green import collect_when_idle
+        collector = collect_when_idle(lambda: True, max_interval_s=60, check_s=60)
+        print(json.dumps({"collector": type(collector).__name__, "automatic": gc.isenabled()}))
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert json.loads(out.stdout) == {"collector": "IdleCollector", "automatic": False}
