@@ -482,3 +482,23 @@ def test_a_non_get_on_a_public_route_is_a_405_even_with_a_token(redis_url):
         assert response.status_code == 405, (path, response.status_code)
         assert "GET" in response.headers["Allow"]
     assert web.post("/v1/jobs/x/nothing").status_code == 401
+
+
+def test_a_queued_batch_member_cancelled_through_the_gateway_is_announced_to_its_enqueuer(redis_client, redis_url):
+    from rollout_service.gateway.app import create_app
+    from rollout_service.schemas import JobRequest
+    from rollout_service.settings import Settings
+    from rollout_service.state.connection import redis_client as service_client
+    from rollout_service.state.store import JobStore
+
+    settings = Settings(redis_url=redis_url)
+    store = JobStore(service_client(settings), settings)
+    request = JobRequest(task={"domain": "math", "problem": "1+1", "answer": "2"})
+    (member,), _ = store.create_jobs(request, batch_id="batch-g")
+    (loner,), _ = store.create_jobs(request)
+    enqueuer = RecordingEnqueuer()
+    web = create_app(settings, enqueue=enqueuer).test_client()
+    for job_id in (member, loner):
+        assert web.post(f"/v1/jobs/{job_id}/cancel").json["status"] == "cancelled"
+    assert web.post(f"/v1/jobs/{member}/cancel").json["status"] == "cancelled"
+    assert enqueuer.finished == [(member, "batch-g"), (loner, "")], "each end once, with its batch"
