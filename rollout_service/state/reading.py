@@ -17,7 +17,8 @@ from rollout_service.state.views import VIEW_FIELDS, job_names, job_view
 
 
 class JobReader:
-    """The reading half of ``JobStore``; on its own, what a process that only reads jobs needs."""
+    """The reading half of ``JobStore``: one job's fields or status, many jobs' views or statuses in one
+    round trip, listings from the creation index, stored blobs."""
 
     def __init__(self, client: redis.Redis, settings: Settings | None = None) -> None:
         self.redis = client
