@@ -1,6 +1,6 @@
 """The one Celery configuration every process shares (gateway, every worker pool, Flower).
 
-Tasks and queues are named in workers/dispatch.py only, kombu's keys and internals in workers/broker.py. Reliability settings follow docs/architecture.md: late acks, reject on worker loss, prefetch 1, and a
+Tasks and queues are named in workers/dispatch.py only, kombu's keys and internals in rollout_service/concurrency/broker.py. Reliability settings follow docs/architecture.md: late acks, reject on worker loss, prefetch 1, and a
 visibility timeout above the longest job deadline, set identically everywhere.
 """
 
@@ -20,10 +20,10 @@ from celery.app.utils import Settings as CeleryConfig
 from celery.signals import celeryd_init, worker_process_init, worker_ready
 from celery.worker import state as worker_state
 
+from rollout_service.concurrency import broker
 from rollout_service.concurrency.green import collect_when_idle
 from rollout_service.settings import Settings, get_settings
 from rollout_service.state.connection import resolve_redis_url
-from workers import broker
 
 log = logging.getLogger(__name__)
 

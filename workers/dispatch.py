@@ -1,4 +1,4 @@
-"""The one door to Celery: the only module that names tasks and queues (kombu's keys: workers/broker.py).
+"""The one door to Celery: the only module that names tasks and queues (kombu's keys: rollout_service/concurrency/broker.py).
 
 A stage message carries a list of job ids, not one job: under load one Celery task moves
 dozens of jobs, so Celery's cost per task (delivery, events, ack) is paid per batch. The
@@ -21,10 +21,10 @@ from typing import cast
 
 import redis
 
+from rollout_service.concurrency import broker
 from rollout_service.errors import UnknownName
 from rollout_service.settings import get_settings
 from rollout_service.state.keys import STAGES
-from workers import broker
 from workers.celery_app import HEARTBEAT_KEY_PREFIX, app
 
 log = logging.getLogger(__name__)

@@ -98,4 +98,4 @@ def test_an_app_is_configured_from_the_settings_it_is_built_with(redis_url):
     assert app.conf.broker_transport_options == {"visibility_timeout": 18000}  # twice the longest job deadline
     assert app.conf.task_acks_late and app.conf.task_reject_on_worker_lost and app.conf.worker_prefetch_multiplier == 1
     with app.connection_for_write() as connection:
-        assert type(connection.transport).__module__ == "workers.broker"
+        assert type(connection.transport).__module__ == "rollout_service.concurrency.broker"

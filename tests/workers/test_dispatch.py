@@ -47,7 +47,8 @@ def test_messages_present_finds_jobs_inside_batched_messages_across_scan_chunks_
     redis_client, redis_url, celery_app, monkeypatch
 ):
     app = celery_app(redis_url, ROLLOUT_STAGE_BATCH_MAX_JOBS="3")
-    from workers import broker, dispatch
+    from rollout_service.concurrency import broker
+    from workers import dispatch
 
     monkeypatch.setattr(broker, "SCAN_CHUNK", 4)  # many chunks for a few messages
     dispatch.enqueue_jobs([f"job-{i:03d}" for i in range(40)], "init")  # 14 messages of up to 3 jobs

@@ -1,8 +1,8 @@
 """Everything that knows how kombu's Redis transport stores its messages: the key of a queue and its
 priority steps, the ``unacked`` hash, the JSON of a stored message (scanned in Lua for the jobs it
 carries), a channel that publishes through one client, and a poller that hands control back while
-the prefetch window is full. The rest of ``workers`` names queues and tasks; this module alone
-names kombu's keys and internals."""
+the prefetch window is full. workers/dispatch.py names queues and tasks; this module alone names
+kombu's keys and internals (the workers' Celery app uses its ``TRANSPORT``)."""
 
 from __future__ import annotations
 
@@ -89,13 +89,21 @@ def queue_lengths(client: redis.Redis, queues: Sequence[str]) -> dict[str, dict[
         q: {"queued": sum(replies[i * per_queue : (i + 1) * per_queue]), "unacked": 0} for i, q in enumerate(queues)
     }
     for raw in replies[-1]:
-        try:
-            routing_key = json.loads(raw)[2]
-        except (ValueError, IndexError, TypeError):
-            continue
+        routing_key, _ = unacked_route(raw)
         if routing_key in lengths:
             lengths[routing_key]["unacked"] += 1
     return lengths
+
+
+def unacked_route(raw: bytes) -> tuple[str, str]:
+    """(queue, task id) of one ``unacked`` entry, JSON ``[message, exchange, routing_key]``; ("", "")
+    for one that is not."""
+    try:
+        message, _exchange, routing_key = json.loads(raw)
+        delivery = message.get("properties", {}).get("delivery_info", {})
+        return routing_key or delivery.get("routing_key", ""), message.get("headers", {}).get("id", "")
+    except (ValueError, TypeError, AttributeError):
+        return "", ""
 
 
 class Channel(kombu_redis.Channel):

@@ -1,8 +1,8 @@
-"""workers/broker.py's picture of kombu's Redis transport, checked against kombu itself."""
+"""rollout_service/concurrency/broker.py's picture of kombu's Redis transport, checked against kombu itself."""
 
 from __future__ import annotations
 
-from workers import broker
+from rollout_service.concurrency import broker
 
 
 def test_every_priority_of_a_queue_lands_in_the_lists_the_broker_module_counts(
@@ -26,12 +26,15 @@ def test_a_message_delivered_and_not_acked_is_counted_unacked_under_its_queue(
     app = celery_app(redis_url)
     with app.connection_for_write() as connection:
         queue = connection.SimpleQueue("probe", no_ack=False)
-        queue.put({"n": 1}, headers={broker.JOBS_HEADER: ["job-a.run"]})
+        queue.put({"n": 1}, headers={broker.JOBS_HEADER: ["job-a.run"], "id": "task-a"})
         queue.put({"n": 2})
         queue.get(timeout=5)
 
         assert broker.queue_lengths(redis_client, ["probe"]) == {"probe": {"queued": 1, "unacked": 1}}
         assert broker.messages_present(redis_client, ["probe"], ["job-a.run", "job-b.run"]) == {"job-a.run"}
+        (raw,) = redis_client.hvals(broker.UNACKED_KEY)
+        assert broker.unacked_route(raw) == ("probe", "task-a")  # Celery puts the task id in this header
+    assert broker.unacked_route(b"not json") == ("", "")
 
 
 def test_patching_the_poller_twice_wraps_it_once() -> None:
