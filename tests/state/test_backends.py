@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from rollout_service.errors import NoBackendAvailable, NotFound, ValidationError
-from rollout_service.schemas import BackendSpec
+from rollout_service.schemas import BackendSpec, BackendView
 from rollout_service.state.backends import BackendPool, backend_id_for
 
 MODEL = "tiny-model"
@@ -301,12 +301,20 @@ def test_concurrent_moves_keep_counts_exact(pool: BackendPool, redis_url: str, r
 class HealthServer:
     def __init__(self) -> None:
         self.status = 200
+        self.posted: list[str] = []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
                 code = owner.status if self.path == "/health" else 404
                 self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                owner.posted.append(self.path)
+                self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -833,3 +841,126 @@ def test_the_run_stage_begin_makes_the_first_call_in_the_same_script_only_for_a_
     assert begin(cancelled) == ("cancelled", [])
     assert pool.backend_of(cancelled) is None and pool.inflight_calls() == 1
     assert_exact(pool, redis_client)
+
+
+def test_a_probe_round_resumes_the_engines_once_a_pause_that_paused_them_lapsed(
+    pool: BackendPool, servers: list[HealthServer]
+) -> None:
+    """A trainer that died mid-sync leaves the engines paused: the first probe round after its
+    pause lapsed resumes them, once; a pause that did not pause the engines resumes nothing."""
+    for server in servers:
+        pool.register(spec(server.port))
+    pool.pause(0.3)
+    pool.engines_paused(True)
+    pool.probe(timeout_s=1.0)
+    assert [server.posted for server in servers] == [[], []]  # the pause holds
+    time.sleep(0.4)
+    for _ in range(2):
+        assert set(pool.probe(timeout_s=1.0).values()) == {True}
+    assert [server.posted for server in servers] == [["/resume"], ["/resume"]]
+    pool.pause(0.1)
+    time.sleep(0.2)
+    pool.probe(timeout_s=1.0)
+    assert [server.posted for server in servers] == [["/resume"], ["/resume"]]
+
+
+def redis_commands(r: redis.Redis, action: Callable[[], object]) -> dict[str, int]:
+    """The commands Redis ran for ``action``, by name (a script's own commands included)."""
+
+    def calls() -> dict[str, int]:
+        stats = r.info("commandstats")
+        return {name.removeprefix("cmdstat_"): int(stat["calls"]) for name, stat in stats.items()}
+
+    before = calls()
+    action()
+    after = calls()
+    ran = {name: count - before.get(name, 0) for name, count in after.items() if name != "info"}
+    return {name: count for name, count in ran.items() if count}
+
+
+def test_an_episodes_calls_cost_the_redis_commands_of_one_script_or_pipeline_each(
+    pool: BackendPool, redis_client: redis.Redis
+) -> None:
+    """The hot path's Redis cost, pinned: a call's start and a job's release are one script each,
+    a call's end, a version read and a gate call's check one pipeline of plain commands."""
+    register(pool, 2)
+    job_key = "t:job:j"
+    redis_client.hset(job_key, "first_call_model", MODEL)
+    pool.start_call("warm", MODEL, job_key)  # scripts loaded, the job's sticky backend set
+    pool.release("warm")
+    pool.renew_busy_gate("w", 1.0, True)
+
+    assert redis_commands(redis_client, lambda: pool.start_call("j", MODEL, job_key)) == {
+        "evalsha": 1,
+        "hmget": 2,
+        "get": 2,
+        "exists": 1,
+        "sismember": 1,
+        "zrange": 1,
+        "zincrby": 1,
+        "hincrby": 2,
+        "sadd": 1,
+        "set": 1,
+    }
+    assert redis_commands(redis_client, lambda: pool.start_call("j", MODEL, job_key)) == {
+        "evalsha": 1,
+        "hmget": 2,
+        "get": 2,
+        "exists": 1,
+        "zscore": 1,
+        "hincrby": 1,
+    }
+    assert redis_commands(redis_client, lambda: pool.end_counted_call("j")()) == {"hincrby": 1, "get": 1}
+    assert redis_commands(redis_client, lambda: pool.version_soon()()) == {"get": 1}
+    assert redis_commands(redis_client, lambda: pool.check_call_soon("j", job_key)()) == {"hget": 1, "get": 1}
+    assert redis_commands(redis_client, lambda: pool.renew_busy_gate("w", 1.0, True)) == {
+        "evalsha": 1,
+        "time": 1,
+        "zscore": 1,
+        "exists": 1,
+        "zadd": 1,
+        "get": 1,
+    }
+    assert redis_commands(redis_client, lambda: pool.release("j")) == {
+        "evalsha": 1,
+        "get": 1,
+        "del": 1,
+        "srem": 1,
+        "hget": 2,
+        "zincrby": 1,
+    }
+
+
+def test_each_part_of_the_pool_works_alone_on_the_shared_state(pool: BackendPool, redis_client: redis.Redis) -> None:
+    """The pool's parts, each built on its own, see one state: what one writes the others read."""
+    from rollout_service.state.backends.assignment import Assignments
+    from rollout_service.state.backends.calls import InflightCalls
+    from rollout_service.state.backends.gates import CallGates
+    from rollout_service.state.backends.health import BackendHealth
+    from rollout_service.state.backends.registry import BackendRegistry
+    from rollout_service.state.backends.weight_sync import WeightSync
+
+    registry = BackendRegistry(redis_client, "t")
+    assignments = Assignments(redis_client, "t")
+    health, sync = BackendHealth(redis_client, "t"), WeightSync(redis_client, "t")
+    calls, gates = InflightCalls(redis_client, "t"), CallGates(redis_client, "t")
+    first, second = (registry.register(spec(port)).id for port in (9001, 9002))
+    assert [view.id for view in pool.list()] == [first, second] == [view.id for view in registry.sorted_views()]
+
+    held = assignments.acquire("j", None)
+    assert pool.backend_of("j") == held.id and registry.get(held.id).live_assignments == 1
+    health.set_health(held.id, False)
+    assert not pool.get(held.id).healthy and assignments.acquire("j", None).id != held.id
+
+    sync.pause(60)
+    assert pool.paused() and assignments.start_call("j", None, "t:job:j") == "paused"
+    assert gates.renew_gate("w", 1.0) is None and calls.begin_call("k") is None
+    assert sync.resume() == 1 and pool.policy_version() == 1
+    assert gates.renew_gate("w", 1.0) == 1 and pool.open_gates() == 1
+    started = assignments.start_call("j", None, "t:job:j")
+    assert isinstance(started, BackendView) and started.policy_version == 1 and calls.inflight_calls() == 1
+    assert pool.end_call("j")() == 1 and calls.inflight_calls() == 0
+    assignments.release("j")
+    assert pool.backend_of("j") is None and {v.live_assignments for v in registry.sorted_views()} == {0}
+    registry.remove(first)
+    assert [view.id for view in pool.list()] == [second]
