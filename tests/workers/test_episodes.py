@@ -1,5 +1,6 @@
 """workers/episodes.py: how a run worker shares itself among episodes (slots, the prefetch window,
-start gaps, jobs given back to the queue) against a real Redis broker."""
+start gaps, jobs given back to the queue, the first call sent with the stage's begin) against a real
+Redis."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import time
 import pytest
 from kombu.common import QoS
 
+from rollout_service.errors import DeadlineExceeded
+from rollout_service.schemas import BackendSpec, BackendView, JobRequest, JobStatus
+from rollout_service.state.backends import BackendPool
 from workers.episodes import EpisodeRunner, EpisodeStart, Slots
 
 
@@ -72,3 +76,31 @@ def test_slots_shrink_the_prefetch_window_by_the_extra_jobs_of_a_message_until_t
     assert window.value == 10 and slots.used == 2
     slots.give_back(beyond_first=False)  # the message's own job: its ack reopens the window
     assert window.value == 10 and slots.used == 1
+
+
+def test_a_first_call_sent_with_the_stage_begin_that_the_episode_never_took_is_dropped_with_its_assignment(
+    redis_client, redis_url, celery_app
+) -> None:
+    celery_app(redis_url, ROLLOUT_RUN_CONCURRENCY="1")
+    from workers.stage import StageContext, job_store, run_stage_jobs
+
+    store, pool = job_store(), BackendPool(redis_client)
+    backend = pool.register(BackendSpec(url="http://127.0.0.1:9", kind="vllm", model="tiny-model"))
+    request = JobRequest.model_validate({"task": {"domain": "math", "problem": "1+1", "answer": "2"}})
+    (job_id,), _ = store.create_many([request])[0]
+    redis_client.hset(store.key(job_id), "first_call_model", "tiny-model")
+    granted: list[BackendView | None] = []
+
+    def body(ctx: StageContext, start: EpisodeStart) -> None:
+        granted.append(start.granted_backend())
+        assert pool.backend_of(job_id) == backend.id and pool.inflight_calls() == 1
+        raise DeadlineExceeded("the job ran out of time before its episode")
+
+    def episode(job_id: str, start: EpisodeStart) -> None:
+        run_stage_jobs([job_id], "run", lambda ctx: body(ctx, start), calls=start.begin_call())
+
+    EpisodeRunner().run([job_id], episode)
+
+    assert [view.id if view else None for view in granted] == [backend.id]
+    assert pool.backend_of(job_id) is None and pool.inflight_calls() == 0
+    assert store.fields(job_id)["status"] == JobStatus.timed_out.value
