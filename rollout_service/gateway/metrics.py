@@ -6,7 +6,6 @@ job or episode); gauges are read here: queue depths, live jobs, sandboxes, backe
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -14,6 +13,7 @@ from typing import Any, cast
 
 import redis
 
+from rollout_service.concurrency.broker import UNACKED_KEY, queue_keys, unacked_route
 from rollout_service.sandbox.registry import EXPIRY_KEY
 from rollout_service.state.backends import BackendPool
 from rollout_service.state.connection import as_text, broker_client
@@ -21,9 +21,6 @@ from rollout_service.state.keys import LIVE_JOBS, PREFIX
 from rollout_service.state.metrics_recording import COUNTERS, COUNTERS_KEY, HISTOGRAMS, HISTOGRAMS_KEY, labels_text
 
 QUEUES = ("init", "run", "eval", "control")
-KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
-KOMBU_PRIORITY_STEPS = (3, 6, 9)  # priority 0 is the plain queue name
-KOMBU_UNACKED_KEY = "unacked"
 # the status a job has while the message of its stage waits (once the stage starts, it moves on)
 WAITING_STATUS = {"init": "queued", "run": "initializing", "eval": "running"}
 
@@ -55,15 +52,16 @@ def queue_depths(client: redis.Redis) -> dict[str, tuple[int, int]]:
     their reserved count also includes running ones (they take milliseconds)."""
     pipe = client.pipeline(transaction=False)
     for queue in QUEUES:
-        for name in (queue, *(f"{queue}{KOMBU_PRIORITY_SEPARATOR}{p}" for p in KOMBU_PRIORITY_STEPS)):
-            pipe.llen(name)
-    pipe.hvals(KOMBU_UNACKED_KEY)
+        for key in queue_keys(queue):
+            pipe.llen(key)
+    pipe.hvals(UNACKED_KEY)
     *lengths, unacked = pipe.execute()
-    waiting = {q: sum(lengths[i * 4 : (i + 1) * 4]) for i, q in enumerate(QUEUES)}
+    per_queue = len(queue_keys(QUEUES[0]))
+    waiting = {q: sum(lengths[i * per_queue : (i + 1) * per_queue]) for i, q in enumerate(QUEUES)}
     reserved: dict[str, int] = defaultdict(int)
     job_stages: list[tuple[str, str]] = []
     for raw in unacked:
-        queue, task_id = _unacked_route(raw)
+        queue, task_id = unacked_route(raw)
         stage = task_id.rpartition(".")[2] if task_id else ""
         if queue in WAITING_STATUS and stage == queue:
             job_stages.append((task_id.rpartition(".")[0], queue))
@@ -77,16 +75,6 @@ def queue_depths(client: redis.Redis) -> dict[str, tuple[int, int]]:
             if status is not None and as_text(status) == WAITING_STATUS[queue]:
                 reserved[queue] += 1
     return {q: (waiting[q], reserved[q]) for q in QUEUES}
-
-
-def _unacked_route(raw: bytes) -> tuple[str, str]:
-    """(queue, task id) of one kombu ``unacked`` entry: JSON ``[message, exchange, routing_key]``."""
-    try:
-        message, _exchange, routing_key = json.loads(raw)
-        delivery = message.get("properties", {}).get("delivery_info", {})
-        return routing_key or delivery.get("routing_key", ""), message.get("headers", {}).get("id", "")
-    except (ValueError, TypeError, AttributeError):
-        return "", ""
 
 
 def _render_counters(out: Exposition, client: redis.Redis) -> None:
