@@ -82,9 +82,9 @@ def _size_to_slots(conf: CeleryConfig, options: dict[str, Any], **_: object) -> 
 
     kombu's Redis transport gives each worker a pool of 10 broker connections that fails
     ("Too many connections") instead of waiting. A green pool acks from every task's greenlet,
-    so hundreds of tasks ending together exhausted it; kombu then dropped the broker connection,
-    and a message it had just popped off a queue but not yet recorded as unacked was lost
-    (found in CI: one job of 200 stuck in ``queued``). Size the pool to the worker's slots, and
+    so hundreds of tasks ending together can exhaust it; kombu then drops the broker connection,
+    and a message it has just popped off a queue but not yet recorded as unacked is lost. Size the
+    pool to the worker's slots, and
     record them (a run worker runs that many jobs, however many its messages carry)."""
     autoscale = options.get("autoscale") or ()
     if isinstance(autoscale, str):
@@ -139,10 +139,9 @@ PRELOAD = {
 
 @celeryd_init.connect
 def _preload_and_freeze(options: dict[str, Any], **_: object) -> None:
-    """A full collection of a worker's start-up objects (transformers alone is ~80k) took 50-100 ms,
-    during which a green worker answers none of its hundreds of episodes: it showed as ~90 ms of
-    per-turn overhead whenever a batch of episodes started. Freeze them once, after importing
-    what the worker's queues need."""
+    """Freeze a worker's start-up objects once, after importing what its queues need: a full
+    collection walks all of them (transformers alone brings tens of thousands), and a green worker
+    answers none of its episodes while it runs."""
     queues = options.get("queues") or ""
     for queue in queues.split(",") if isinstance(queues, str) else queues:
         for name in PRELOAD.get(queue, ()):
@@ -160,7 +159,7 @@ broker.wake_soon_when_paused()
 
 def warm_renderers(client: redis.Redis) -> None:
     """Load the tokenizer of every registered backend before a job needs it: the first job of a
-    worker otherwise waits ~20 ms per tokenizer, once per worker process."""
+    worker would otherwise wait for each tokenizer to load."""
     from rollout_service.runtime.tokens import renderer_for
     from rollout_service.state.backends import BackendPool
 
@@ -209,8 +208,7 @@ def _announce_queues(sender: object, **_: object) -> None:
 @worker_process_init.connect
 def _warm_grading_sandboxes(**_: object) -> None:
     """An eval child (prefork) starts its sandbox fork server while it idles, in the background, not
-    in its first grading: 4 children each paid 0.26-0.37 s for it at the end of a run, while the
-    jobs waited for grading."""
+    in its first grading, where the jobs would wait for it."""
     from rollout_service.sandbox.bwrap import warm_fork_server
 
     def warm() -> None:

@@ -84,9 +84,9 @@ class Handoff:
     """Gathers the jobs a worker process hands to the next stages and publishes them together: at
     most one message per stage per ``window_s`` (or per ``max_jobs``), whatever the number of tasks
     and episodes that finished meanwhile. A job handed on after QUIET_WINDOWS quiet windows goes at
-    once (at low load the window only added its length to every hop: 8 jobs of 2 turns at 0.2 s,
-    0.51 -> 0.48 s); those that follow wait for the window. (Going at once after a single quiet
-    window made 1000 x 4 slower: 5.70 and 5.88 s against 5.22 and 5.28 s.) ``put`` returns an
+    once (at low load the window would only add its length to every hop); those that follow wait
+    for the window (one quiet window is not enough: under load the jobs would go one by one).
+    ``put`` returns an
     event set once the job is published; a task waits for its jobs' events before it returns, so
     its late ack never precedes them."""
 

@@ -1,9 +1,9 @@
 """A Redis client for green workers that sends the commands of all its greenlets together.
 
 A run worker drives hundreds of episodes in one process; each turn makes a couple of small
-Redis calls (start and end of an LLM call) and each episode a dozen more. One round trip costs
-~60-90 us of client CPU (redis-py: connection pool, socket send, reply parsing), a pipelined
-command ~7 us (measured with 200 greenlets against a local redis-server). This client queues
+Redis calls (start and end of an LLM call) and each episode a dozen more. A round trip costs
+the client far more CPU than a pipelined command (redis-py: connection pool, socket send, reply
+parsing). This client queues
 every command a greenlet issues and one flusher greenlet sends whatever has queued as one
 pipeline, so concurrent callers share round trips the way ioredis's auto-pipelining does.
 Each caller still gets its own reply or exception, in order. Blocking commands go straight

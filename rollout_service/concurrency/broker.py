@@ -108,8 +108,8 @@ def unacked_route(raw: bytes) -> tuple[str, str]:
 
 class Channel(kombu_redis.Channel):
     """kombu's Redis channel, publishing through one client: kombu's makes a ``redis.Redis`` for
-    every message it sends (its table of reply callbacks), which a run worker paid for every task
-    event and stage hand-off. The clients shared the channel's connection pool anyway."""
+    every message it sends (its table of reply callbacks), for every task event and stage hand-off
+    of a run worker. The clients shared the channel's connection pool anyway."""
 
     @contextlib.contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:

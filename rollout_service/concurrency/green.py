@@ -23,8 +23,7 @@ def green_process() -> bool:
 def in_background(target: Callable[..., Any], *args: Any, name: str) -> Callable[[], Any]:
     """Run ``target(*args)`` concurrently and return at once; the result joins it. In a green worker
     it is a greenlet: ``threading.Thread.start()`` waits until the new thread has run, and in a busy
-    green worker that is a whole round of its hub (200 sandboxed episodes on 2 cores: 67 ms p50 and
-    220 ms p90 to start a sandbox's teardown, paid by the episode)."""
+    green worker that is a whole round of its hub, which the episode starting it would wait for."""
     if green_process():
         import gevent
 
@@ -63,9 +62,8 @@ IDLE_MIN_ALLOCATIONS = 10_000  # fewer new live objects than this: at most that 
 
 class IdleCollector:
     """The cyclic garbage collector of a green worker, run when the worker is idle instead of when
-    allocations say so. Hundreds of live episodes hold ~100k tracked objects (token lists among
-    them) and leave next to no cycles: the collector found 27-111 objects in 500 episodes, while
-    its passes stalled every episode of the process, up to 35 ms each, mostly as episodes ended.
+    allocations say so. Hundreds of live episodes hold many tracked objects (token lists among
+    them) and leave next to no cycles, while each pass stalls every episode of the process.
     ``take_over`` turns automatic collection off; ``tick`` collects when ``is_idle()``, or after
     ``max_interval_s`` of load (the stall then, bounded garbage in between)."""
 
