@@ -3,9 +3,8 @@
 A run worker drives hundreds of episodes in one process; each turn makes a couple of small
 Redis calls (start and end of an LLM call) and each episode a dozen more. A round trip costs
 the client far more CPU than a pipelined command (redis-py: connection pool, socket send, reply
-parsing). This client queues
-every command a greenlet issues and one flusher greenlet sends whatever has queued as one
-pipeline, so concurrent callers share round trips the way ioredis's auto-pipelining does.
+parsing). This client queues every command a greenlet issues and one flusher greenlet sends
+whatever has queued as one pipeline, so concurrent callers share round trips the way ioredis's auto-pipelining does.
 Each caller still gets its own reply or exception, in order. Blocking commands go straight
 through (they would hold every other caller's reply hostage). A plain pipeline joins the shared
 round trip too (``SharedPipeline``); ``fire`` queues a script call whose reply nobody needs (the
