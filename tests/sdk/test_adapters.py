@@ -254,7 +254,10 @@ def test_slime_samples_load_with_response_aligned_masks_and_the_policy_versions(
         assert sample.loss_mask == segment.loss_mask and len(sample.loss_mask) == sample.response_length
         assert sample.rollout_log_probs == segment.logprobs  # exact
         assert sample.status is SlimeSample.Status.COMPLETED and sample.reward == recorded[i].reward
-        assert sample.weight_versions == ["0"] * sum(1 for t in segment.turns if t.kind == "generation")
+        generations = [t for t in segment.turns if t.kind == "generation"]
+        served = {t.policy_version for t in recorded[i].turns if t.kind == "generation"}
+        assert len(served) == 1 and None not in served  # the version the service served when it ran them
+        assert sample.weight_versions == [str(served.pop())] * len(generations)
         assert sample.metadata["segment_index"] == j and sample.label == "4"
         assert sample.prompt and sample.prompt[-1]["role"] == "user"
 
