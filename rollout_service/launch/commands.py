@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -121,14 +122,23 @@ def flower_command(settings: Settings) -> list[str]:
     ]  # Flower would otherwise turn worker events back on
 
 
-def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int, ...] = (200,)) -> None:
+def answers_within(
+    url: str, check: Callable[[], None], timeout_s: float, poll_s: float = 0.3, ok: tuple[int, ...] = (200,)
+) -> bool:
+    """Whether ``url`` answers with a status in ``ok`` within ``timeout_s``, asked every ``poll_s``;
+    ``check`` runs before each try and raises to give up (the server behind it died)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        supervisor.check()
+        check()
         try:
             if httpx.get(url, timeout=2).status_code in ok:
-                return
+                return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
-    raise ConfigError(f"{url} did not become ready within {timeout_s:.0f} s; see logs in {supervisor.log_dir}")
+        time.sleep(poll_s)
+    return False
+
+
+def wait_http(url: str, supervisor: Supervisor, timeout_s: float, ok: tuple[int, ...] = (200,)) -> None:
+    if not answers_within(url, supervisor.check, timeout_s, ok=ok):
+        raise ConfigError(f"{url} did not become ready within {timeout_s:.0f} s; see logs in {supervisor.log_dir}")
