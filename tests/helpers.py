@@ -80,6 +80,21 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def run_fresh(script: str) -> Any:
+    """Run ``script`` in a fresh Python process at the repository's root and return the JSON it
+    prints. For code that changes what a test process cannot take back (gevent's monkeypatching,
+    the garbage collector's state)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 def run_with_broker(redis_url: str, code: str, **settings_env: str) -> dict:
     """Run ``code`` in a fresh process whose settings come from ``settings_env`` and whose Redis is
     ``redis_url``; return the JSON its last output line prints. For code that changes what a test

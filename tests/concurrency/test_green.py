@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import gc
-import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 from rollout_service.concurrency.green import collect_when_idle, green_process, in_background
+from tests.helpers import run_fresh
 
 
 def test_in_a_green_worker_background_work_is_started_without_waiting_for_it_to_begin() -> None:
@@ -27,15 +24,7 @@ def test_in_a_green_worker_background_work_is_started_without_waiting_for_it_to_
         print(json.dumps({"green": green_process(), "before": before, "after_thread_start": after_thread_start,
                           "joined": ran}))
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    result = json.loads(out.stdout)
+    result = run_fresh(script)
     assert result["green"] is True
     assert result["before"] == []  # a greenlet spawned, not run yet: the caller went on at once
     assert "thread" in result["after_thread_start"]
@@ -80,15 +69,7 @@ def test_a_green_worker_collects_cycles_when_idle_or_after_its_longest_interval_
         seen["busy past the interval"] = (collector.tick(), cycle() is None)
         print(json.dumps(seen))
     """)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {
+    assert run_fresh(script) == {
         "busy": [False, False],
         "idle": [True, True],
         "idle, nothing new": [False, True],
@@ -117,15 +98,7 @@ def test_work_that_can_wait_runs_after_what_is_ready_in_a_green_worker_and_at_mo
         spinning.kill()
         print(json.dumps({"order": order, "capped": capped}))
     """)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = run_fresh(script)
     assert result["order"] == ["turn"] * 30 + ["records"]
     assert 0.1 <= result["capped"] < 1.0
 
@@ -139,12 +112,4 @@ def test_only_a_green_worker_hands_the_cyclic_collector_to_an_idle_collector() -
         collector = collect_when_idle(lambda: True, max_interval_s=60, check_s=60)
         print(json.dumps({"collector": type(collector).__name__, "automatic": gc.isenabled()}))
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert json.loads(out.stdout) == {"collector": "IdleCollector", "automatic": False}
+    assert run_fresh(script) == {"collector": "IdleCollector", "automatic": False}

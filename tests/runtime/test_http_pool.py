@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
-import sys
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from rollout_service.runtime.http_pool import ConnectFailed, KeepAlivePool, ReadTimedOut
+from tests.helpers import run_fresh
 
 Answer = Callable[[socket.socket, bytes], bool]  # writes an answer; False: close the connection after
 
@@ -170,15 +167,7 @@ def test_in_a_green_worker_a_local_connect_does_not_hand_the_cpu_to_other_episod
         answer = connection.post("/", b"{}")
         print(json.dumps({"before": before, "answer": [answer[0], answer[1].decode()], "after": ran}))
     """)
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    result = json.loads(out.stdout)
+    result = run_fresh(script)
     assert result["before"] == []
     assert result["answer"] == [200, "ok"]
     assert result["after"] == ["another episode"]
