@@ -38,6 +38,7 @@ from rollout_service.devtools.redis_server import RedisServer, free_port  # noqa
 from rollout_service.devtools.tiny_model import build_tiny_tokenizer  # noqa: E402
 from rollout_service.errors import DeadlineExceeded  # noqa: E402
 from rollout_service.sdk.client import RolloutClient  # noqa: E402
+from rollout_service.state.keys import STAGE_TIMES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -306,16 +307,7 @@ def fetch_trajectories(client: RolloutClient, job_ids: list[str]) -> dict[str, A
         return dict(zip(job_ids, pool.map(one, job_ids)))
 
 
-TIMELINE_FIELDS = (
-    "created_at",
-    "init_start",
-    "init_end",
-    "run_start",
-    "run_end",
-    "eval_start",
-    "eval_end",
-    "finished_at",
-)
+TIMELINE_FIELDS = ("created_at", *STAGE_TIMES, "finished_at")
 
 
 def read_fields(stack: Stack, job_ids: list[str], *names: str) -> list[list[bytes | None]]:

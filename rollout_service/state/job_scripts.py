@@ -4,22 +4,10 @@ for it."""
 
 from __future__ import annotations
 
+from rollout_service.state.keys import ATTEMPT_FIELDS, STAGE_TIMES
+
 # What a terminal move answers with: the fields the metrics and the finish hooks read.
-ENDED_FIELDS = (
-    "status",
-    "finish_reason",
-    "batch_id",
-    "created_at",
-    "init_start",
-    "init_end",
-    "run_start",
-    "run_end",
-    "eval_start",
-    "eval_end",
-    "attempts_init",
-    "attempts_run",
-    "attempts_eval",
-)
+ENDED_FIELDS = ("status", "finish_reason", "batch_id", "created_at", *STAGE_TIMES, *ATTEMPT_FIELDS)
 
 # A status move. KEYS: job hash, live set, finished channel. ARGV from ``o``: status, allowed from
 # (comma-separated, '' any), '1' if terminal, job id, then field, value pairs.

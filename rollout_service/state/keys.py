@@ -14,6 +14,8 @@ JOB_SEQUENCE = f"{PREFIX}:jobs:seq"
 FINISHED_CHANNEL = f"{PREFIX}:jobs:finished"  # pub/sub: a job id each time a job reaches a terminal state
 CANCEL_CHANNEL = f"{PREFIX}:jobs:cancel"  # pub/sub: a job id each time a job's cancel flag goes up
 STAGES = ("init", "run", "eval")
+STAGE_TIMES = tuple(f"{stage}_{edge}" for stage in STAGES for edge in ("start", "end"))  # a job hash's stamps
+ATTEMPT_FIELDS = tuple(f"attempts_{stage}" for stage in STAGES)
 
 
 def job_key(job_id: str, part: str = "") -> str:

@@ -25,6 +25,7 @@ import redis
 
 from rollout_service.concurrency.autopipeline import AutoPipelineRedis, SharedPipeline
 from rollout_service.settings import get_settings
+from rollout_service.state.views import stage_seconds
 
 log = logging.getLogger(__name__)
 
@@ -197,23 +198,11 @@ def _execute(pipe: Any, what: str) -> None:
         log.warning("could not record %s metrics", what, exc_info=True)
 
 
-def _float(value: str | None) -> float | None:
-    return float(value) if value not in (None, "") else None
-
-
 def stage_durations(fields: Mapping[str, str]) -> dict[str, float]:
     """queued/init/run/eval seconds of a job hash, as ``JobStore.view`` reports its timings."""
-    t = {
-        k: _float(fields.get(k))
-        for k in ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
-    }
-    waits = [(t["created_at"], t["init_start"]), (t["init_end"], t["run_start"]), (t["run_end"], t["eval_start"])]
-    queued = [b - a for a, b in waits if a is not None and b is not None]
-    spans = {"queued": sum(queued) if queued else None}
-    for stage in ("init", "run", "eval"):
-        start, end = t[f"{stage}_start"], t[f"{stage}_end"]
-        spans[stage] = end - start if start is not None and end is not None else None
-    return {stage: seconds for stage, seconds in spans.items() if seconds is not None}
+    waits, spans = stage_seconds(fields)
+    durations = {"queued": sum(waits.values()) if waits else None, **spans}
+    return {stage: seconds for stage, seconds in durations.items() if seconds is not None}
 
 
 def record_job_finished(client: redis.Redis, *jobs: Mapping[str, str]) -> None:

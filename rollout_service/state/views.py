@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from rollout_service.schemas import ErrorInfo, JobStatus, JobView, Timings
-from rollout_service.state.keys import STAGES
+from rollout_service.state.keys import ATTEMPT_FIELDS, STAGE_TIMES, STAGES
 
 VIEW_FIELDS = [
     "status",
     "group_id",
     "batch_id",
     "created_at",
-    "init_start",
-    "init_end",
-    "run_start",
-    "run_end",
-    "eval_start",
-    "eval_end",
+    *STAGE_TIMES,
     "sandbox_boot_s",
     "sandbox_wait_s",
     "reward",
@@ -26,31 +22,20 @@ VIEW_FIELDS = [
     "error_code",
     "error_message",
     "backend_id",
-    "attempts_init",
-    "attempts_run",
-    "attempts_eval",
+    *ATTEMPT_FIELDS,
     "metadata",
 ]
 
 
 def job_view(job_id: str, f: dict[str, str | None], result: Any) -> JobView:
     """The view of a job whose ``VIEW_FIELDS`` are ``f`` (its status is there) and result ``result``."""
-    t = {
-        k: _float(f.get(k))
-        for k in ("created_at", "init_start", "init_end", "run_start", "run_end", "eval_start", "eval_end")
-    }
-    waits = {
-        "init": (t["created_at"], t["init_start"]),
-        "run": (t["init_end"], t["run_start"]),
-        "eval": (t["run_end"], t["eval_start"]),
-    }
-    queued = {stage: b - a for stage, (a, b) in waits.items() if a is not None and b is not None}
+    queued, spans = stage_seconds(f)
     timings = Timings(
         queued_s=sum(queued.values()) if queued else None,
         waits_s=queued,
-        init_s=_span(t["init_start"], t["init_end"]),
-        run_s=_span(t["run_start"], t["run_end"]),
-        eval_s=_span(t["eval_start"], t["eval_end"]),
+        init_s=spans["init"],
+        run_s=spans["run"],
+        eval_s=spans["eval"],
         sandbox_boot_s=_float(f.get("sandbox_boot_s")),
         sandbox_wait_s=_float(f.get("sandbox_wait_s")),
     )
@@ -66,9 +51,20 @@ def job_view(job_id: str, f: dict[str, str | None], result: Any) -> JobView:
         error=error,
         result=result,
         backend_id=f.get("backend_id") or None,
-        attempts=max(int(f.get(f"attempts_{s}") or 0) for s in STAGES),
+        attempts=max(int(f.get(name) or 0) for name in ATTEMPT_FIELDS),
         metadata=json.loads(f.get("metadata") or "{}"),
     )
+
+
+def stage_seconds(f: Mapping[str, str | None]) -> tuple[dict[str, float], dict[str, float | None]]:
+    """From a job hash's stamps: the wait before each stage that started (from the job's creation
+    or the previous stage's end), and each stage's own span (None unless it started and ended)."""
+    t = {k: _float(f.get(k)) for k in ("created_at", *STAGE_TIMES)}
+    after = ("created_at", *(f"{stage}_end" for stage in STAGES[:-1]))  # what each stage waits after
+    waited = {stage: _span(t[previous], t[f"{stage}_start"]) for stage, previous in zip(STAGES, after)}
+    return {stage: seconds for stage, seconds in waited.items() if seconds is not None}, {
+        stage: _span(t[f"{stage}_start"], t[f"{stage}_end"]) for stage in STAGES
+    }
 
 
 def job_names(job_ids: list[str], shown: int = 20) -> str:
