@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
+from bench.redis_replay import WINDOW_END, WINDOW_START, Recorder, mark, replay  # noqa: E402
 from rollout_service.devtools.redis_server import RedisServer, free_port  # noqa: E402
 from rollout_service.devtools.tiny_model import build_tiny_tokenizer  # noqa: E402
 from rollout_service.errors import DeadlineExceeded  # noqa: E402
@@ -128,14 +129,12 @@ class Stack:
         self.init_workers = init_workers
         self.port = free_port()
         self.env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k not in ("ROLLOUT_REDIS_URL", "ROLLOUT_API_TOKEN")},
             "ROLLOUT_STATE_DIR": str(state),
             "ROLLOUT_PORT": str(self.port),
             "ROLLOUT_FLOWER_PORT": str(free_port()),
             **env,
         }
-        self.env.pop("ROLLOUT_REDIS_URL", None)
-        self.env.pop("ROLLOUT_API_TOKEN", None)
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
@@ -419,10 +418,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sim, sim_url = start_sim(state, tokenizer, args)
         env = {"ROLLOUT_RUN_CONCURRENCY": str(args.run_concurrency or max(args.rollouts, 8))}
         env.update(dict(kv.split("=", 1) for kv in args.env))
-        broker = None
+        broker = state_redis = recorder = None
         if args.broker_redis:
             broker = RedisServer(state / "broker", appendonly=False).start()
             env["ROLLOUT_BROKER_URL"] = broker.url
+        if args.replay:  # the state on a Redis of the bench's own, whose commands it records
+            state_redis = RedisServer(state / "state-redis", disabled_commands=()).start()
+            env["ROLLOUT_REDIS_URL"] = state_redis.url
+            recorder = Recorder(state_redis.url, state / "state-redis.monitor")
         try:
             (state / "service").mkdir()
             with (
@@ -438,8 +441,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             sim.terminate()
             sim.wait()
-            if broker is not None:
-                broker.stop()
+            if recorder is not None:
+                recorder.stop()
+            for server in (broker, state_redis):
+                if server is not None:
+                    server.stop()
+        if recorder is not None:
+            rounds[0]["redis_replay"] = replay(recorder.path, args.rollouts * args.turns)
     return {**rounds[0], "later_rounds": rounds[1:]}
 
 
@@ -455,6 +463,9 @@ def measure_round(
     tree = process_tree(stack.process.pid)
     base_rss = rss_mb(tree)
     cpu_before, busy_before = cpu_seconds(tree + [sim.pid]), machine_busy_s()
+    replayed = args.replay and round_number == 0
+    if replayed:
+        mark(redis_urls(stack)["state"], WINDOW_START)
     stats_before = {name: command_stats(url) for name, url in redis_urls(stack).items()}
     bodies = [job_body(args, round_number * args.rollouts + i) for i in range(args.rollouts)]
     httpx.get(f"{sim_url}/lateness")  # forget the warm-up's calls
@@ -492,6 +503,8 @@ def measure_round(
         name: redis_cost(stats_before[name], command_stats(url), args.rollouts * args.turns)
         for name, url in redis_urls(stack).items()
     }
+    if replayed:
+        mark(redis_urls(stack)["state"], WINDOW_END)
     for profiler in profilers:
         profiler.wait()
     views = [done.get(j) or client.get(j) for j in job_ids]
@@ -625,6 +638,15 @@ def report(r: dict[str, Any], round_number: int) -> None:
     )
     print(f"  CPU seconds during the run: {r['cpu_s']}; whole machine {r['machine_busy_cpu_s']}")
     print(f"  peak RSS {r['peak_rss_mb']} MB, {r['rss_per_rollout_mb']} MB per in-flight rollout")
+    if "redis_replay" in r:
+        again = r["redis_replay"]
+        top = ", ".join(f"{c} {v['usec']} µs" for c, v in list(again["top"].items())[:6])
+        print(
+            f"  the state Redis's {again['commands']} commands of the round replayed in pipelines of "
+            f"{again['batch']}: {again['usec_per_turn']} µs of its CPU per turn (median of "
+            f"{again['usec_per_turn_each']}; top: {top}); the recording (MONITOR) slowed the stack and its "
+            "Redis: quote their figures from a run without --replay"
+        )
     for name, cost in r["redis_per_turn"].items():
         top = ", ".join(f"{c} {v['calls']}" for c, v in list(cost["top"].items())[:8])
         print(
@@ -838,6 +860,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no stack: each step of a job's life against a fresh Redis (the service's store and "
         "backend pool, --rollouts jobs together), µs of Redis CPU per step and job",
+    )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="also record the state Redis's commands (MONITOR, on a Redis of the bench's own) and "
+        "replay the round's into a fresh Redis in big pipelines: what the commands cost by themselves",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -109,8 +109,11 @@ class RedisServer:
         bind: str = "127.0.0.1",
         host: str | None = None,
         tls: TLSFiles | None = None,
+        disabled_commands: tuple[str, ...] = DISABLED_COMMANDS,
     ) -> None:
+        """``disabled_commands``: renamed away (admin commands no client of the service needs)."""
         self.data_dir = Path(data_dir)
+        self.disabled_commands = disabled_commands
         self.port = port or free_port()
         self.appendonly = appendonly
         self.bind = bind
@@ -163,7 +166,7 @@ class RedisServer:
             "daemonize no",
             "loglevel warning",
             f'logfile "{self.data_dir / "redis.log"}"',
-            *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
+            *(f'rename-command {name} ""' for name in self.disabled_commands),
         ]
         write_private(self.data_dir / CONFIG_FILE, "\n".join(lines) + "\n")
         return [find_redis_server(), str(self.data_dir / CONFIG_FILE)]

@@ -13,6 +13,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
+from rollout_service.concurrency.autopipeline import AutoPipelineRedis, ScriptLoadingRedis
 from rollout_service.concurrency.green import green_process
 from rollout_service.errors import ConfigError, StoreUnavailable
 from rollout_service.settings import Settings, get_settings
@@ -60,14 +61,15 @@ def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, ret
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
-    return client_class()(connection_pool=pool)
+    client = client_class()(connection_pool=pool)
+    if isinstance(client, AutoPipelineRedis):
+        client.linger_s = settings.redis_batch_linger_ms / 1000
+    return client
 
 
 def client_class() -> type[redis.Redis]:
     """Green worker processes (gevent pools) share round trips across greenlets; others load
     their scripts once."""
-    from rollout_service.concurrency.autopipeline import AutoPipelineRedis, ScriptLoadingRedis
-
     return AutoPipelineRedis if green_process() else ScriptLoadingRedis
 
 

@@ -65,6 +65,47 @@ def test_many_greenlets_share_round_trips_and_each_gets_its_own_reply(redis_clie
     assert result["green_class"] == "AutoPipelineRedis"
 
 
+def test_commands_issued_within_the_linger_share_one_round_trip_and_none_without_it(redis_client, redis_url):
+    result = run_green(
+        redis_url,
+        """
+        import json, os
+        import gevent, redis
+        from rollout_service.concurrency.autopipeline import AutoPipelineRedis
+        from rollout_service.settings import get_settings
+        from rollout_service.state.connection import redis_client
+
+        round_trips = [0]
+        execute = redis.client.Pipeline.execute
+        def counted(self, *args, **kwargs):
+            round_trips[0] += 1
+            return execute(self, *args, **kwargs)
+        redis.client.Pipeline.execute = counted
+
+        def staggered(client):
+            def one(n):
+                gevent.sleep(n * 0.001)  # 20 episodes whose turns end 1 ms apart
+                return client.incr(f"staggered:{n}")
+            before = round_trips[0]
+            replies = [g.value for g in gevent.joinall([gevent.spawn(one, n) for n in range(20)])]
+            return replies, round_trips[0] - before
+
+        os.environ["ROLLOUT_REDIS_URL"] = os.environ["REDIS_URL"]
+        os.environ["ROLLOUT_REDIS_BATCH_LINGER_MS"] = "50"
+        get_settings.cache_clear()
+        lingering = redis_client()
+        gathered, gathered_trips = staggered(lingering)
+        at_once, at_once_trips = staggered(AutoPipelineRedis.from_url(os.environ["REDIS_URL"]))
+        print(json.dumps({"linger_s": lingering.linger_s, "gathered": gathered, "gathered_trips": gathered_trips,
+                          "at_once": at_once, "at_once_trips": at_once_trips}))
+    """,
+    )
+    assert result["linger_s"] == 0.05  # from ROLLOUT_REDIS_BATCH_LINGER_MS
+    assert result["gathered"] == [1] * 20 and result["at_once"] == [2] * 20
+    assert result["gathered_trips"] == 1, result
+    assert result["at_once_trips"] >= 10, result
+
+
 def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_its_scripts(redis_client, redis_url):
     result = run_green(
         redis_url,

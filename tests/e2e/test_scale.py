@@ -149,3 +149,39 @@ def test_bench_redis_steps_prices_each_step_of_a_job_on_a_fresh_redis() -> None:
     assert commands["run stage begin with the first call"] == 17  # a script (15 commands inside) and an MGET
     assert commands["first call end"] == 2 and commands["2 later calls"] == 6  # after each call: one round trip
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_bench_replay_records_the_commands_clients_sent_byte_for_byte_and_replays_the_window(tmp_path) -> None:
+    """``bench/scale.py --replay``'s recorder and parser: what a client sent (binary values, quotes,
+    escapes) comes back exactly, scripts' own commands are left to their script, and only the
+    marked window is measured."""
+    import redis
+
+    from bench.redis_replay import NOT_REPLAYED, WINDOW_END, WINDOW_START, Recorder, mark, parse, replay
+    from rollout_service.devtools.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis", disabled_commands=()).start()
+    try:
+        recorder = Recorder(server.url, tmp_path / "monitor")
+        client = redis.Redis.from_url(server.url)
+        awkward = bytes(range(256)) + b'"\\ \n\r\t end'
+        client.set("before", "1")
+        mark(server.url, WINDOW_START)
+        client.set("blob", awkward)
+        client.eval("return redis.call('INCR', KEYS[1])", 1, "counter")
+        client.hset("hash", mapping={"a": "x y", "b": '"quoted"'})
+        mark(server.url, WINDOW_END)
+        client.set("after", "1")
+        time.sleep(0.3)
+        recorder.stop()
+        client.close()
+    finally:
+        server.stop()
+    commands, start, end = parse(tmp_path / "monitor")
+    window = [args for args in commands[start:end] if args[0].upper() not in NOT_REPLAYED]
+    assert [args[0].upper() for args in window] == [b"SET", b"EVAL", b"HSET"]  # not the script's INCR
+    assert window[0] == [b"SET", b"blob", awkward]
+    assert window[2] == [b"HSET", b"hash", b"a", b"x y", b"b", b'"quoted"']
+    replayed = replay(tmp_path / "monitor", turns=1, repeats=1)
+    assert replayed["commands"] == 3 and replayed["usec_per_turn"] > 0
+    assert {"set", "eval", "hset", "incr"} <= set(replayed["top"])

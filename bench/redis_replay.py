@@ -1,0 +1,176 @@
+"""What the state Redis's commands cost by themselves: record them, replay them in big pipelines.
+
+``bench/scale.py --replay`` runs the service on a Redis of the bench's own with MONITOR allowed,
+records every command the service sends it (commands run inside scripts are not recorded: their
+script is, and replaying it runs them again), and afterwards replays the recorded commands into a
+fresh Redis of the same configuration from one client in pipelines of ``REPLAY_BATCH`` commands.
+The commands before the measured round rebuild its starting state; those of the round are
+measured. The replay's CPU per turn is what the same commands cost a Redis kept busy (warm caches,
+no wake-up per round trip): the stack's own figure minus this is what its round trips, its timing
+and Redis's idle housekeeping add.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlparse
+
+import redis
+
+from rollout_service.devtools.redis_server import RedisServer
+
+REPLAY_BATCH = 200
+WINDOW_START, WINDOW_END = "bench:replay:window-start", "bench:replay:window-end"
+NOT_REPLAYED = {b"AUTH", b"HELLO", b"CLIENT", b"INFO", b"ECHO", b"MONITOR", b"SUBSCRIBE", b"UNSUBSCRIBE", b"PSUBSCRIBE"}
+BLOCKING = {b"BLPOP", b"BRPOP", b"BRPOPLPUSH", b"BLMOVE", b"BZPOPMIN", b"BZPOPMAX", b"XREAD", b"XREADGROUP"}
+_LINE = re.compile(r"^\+[\d.]+ \[\d+ ([^\]]+)\] (.*)$")
+_ESCAPES = {"\\": b"\\", '"': b'"', "n": b"\n", "r": b"\r", "t": b"\t", "a": b"\a", "b": b"\b"}
+
+
+class Recorder:
+    """MONITOR on ``url`` into ``path`` from now until ``stop``."""
+
+    def __init__(self, url: str, path: Path) -> None:
+        parsed = urlparse(url)
+        self.path = path
+        self.sock = socket.create_connection((parsed.hostname, parsed.port))
+        password = parsed.password or ""
+        self.sock.sendall(f"*2\r\n$4\r\nAUTH\r\n${len(password)}\r\n{password}\r\n*1\r\n$7\r\nMONITOR\r\n".encode())
+        self.thread = threading.Thread(target=self._record, name="redis-monitor", daemon=True)
+        self.thread.start()
+
+    def _record(self) -> None:
+        with open(self.path, "wb") as out:
+            while data := self.sock.recv(1 << 20):
+                out.write(data)
+
+    def stop(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+
+
+def mark(url: str, marker: str) -> None:
+    """A marker in the recording (ECHO, not replayed)."""
+    client = redis.Redis.from_url(url)
+    try:
+        client.echo(marker)
+    finally:
+        client.close()
+
+
+def parse(path: Path) -> tuple[list[list[bytes]], int, int]:
+    """The recorded commands sent by clients (not by scripts), and where the marked window starts and ends."""
+    commands: list[list[bytes]] = []
+    start = end = -1
+    for line in path.read_bytes().decode("latin-1").split("\r\n"):
+        match = _LINE.match(line)
+        if match is None or match.group(1) == "lua":
+            continue
+        args = _arguments(match.group(2))
+        if args[:1] == [b"ECHO"] and len(args) == 2:
+            if args[1].decode() == WINDOW_START:
+                start = len(commands) + 1
+            elif args[1].decode() == WINDOW_END:
+                end = len(commands)
+        commands.append(args)
+    if start < 0 or end < 0:
+        raise RuntimeError(f"the recording {path} has no replay window markers")
+    return commands, start, end
+
+
+def _arguments(text: str) -> list[bytes]:
+    """MONITOR's quoted, escaped arguments as bytes."""
+    args, i = [], 0
+    while (i := text.find('"', i)) >= 0:
+        i += 1
+        value = bytearray()
+        while text[i] != '"':
+            if text[i] == "\\":
+                code = text[i + 1]
+                if code == "x":
+                    value.append(int(text[i + 2 : i + 4], 16))
+                    i += 4
+                    continue
+                value += _ESCAPES.get(code, code.encode("latin-1"))
+                i += 2
+                continue
+            value += text[i].encode("latin-1")
+            i += 1
+        args.append(bytes(value))
+        i += 1
+    return args
+
+
+def replay(path: Path, turns: int, repeats: int = 3, appendonly: bool = True) -> dict[str, Any]:
+    """Replay a recording into a fresh Redis ``repeats`` times: µs of its CPU per turn for the
+    window's commands (the median, and each replay's), the commands by their µs (the median's)."""
+    commands, start, end = parse(path)
+    runs = sorted((_replay_once(commands, start, end, turns, appendonly) for _ in range(repeats)), key=lambda r: r[0])
+    usec, sent, top = runs[len(runs) // 2]
+    return {
+        "commands": sent,
+        "batch": REPLAY_BATCH,
+        "usec_per_turn": usec,
+        "usec_per_turn_each": [run[0] for run in runs],
+        "top": top,
+    }
+
+
+def _replay_once(
+    commands: list[list[bytes]], start: int, end: int, turns: int, appendonly: bool
+) -> tuple[float, int, dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
+        server = RedisServer(Path(tmp), appendonly=appendonly).start()
+        client = redis.Redis.from_url(server.url)
+        try:
+            _play(client, commands[:start])
+            before, cpu_before = _stats(client), _cpu_usec(client)
+            sent = _play(client, commands[start:end])
+            cpu_after, after = _cpu_usec(client), _stats(client)
+        finally:
+            client.close()
+            server.stop()
+    delta = {
+        name.removeprefix("cmdstat_"): (
+            stats["calls"] - before.get(name, {}).get("calls", 0),
+            stats["usec"] - before.get(name, {}).get("usec", 0),
+        )
+        for name, stats in after.items()
+        if name != "cmdstat_info"
+    }
+    top = sorted(((n, c, u) for n, (c, u) in delta.items() if c > 0), key=lambda item: -item[2])
+    return (
+        round((cpu_after - cpu_before) / turns, 2),
+        sent,
+        {name: {"calls": calls, "usec": usec} for name, calls, usec in top[:12]},
+    )
+
+
+def _play(client: redis.Redis, commands: list[list[bytes]]) -> int:
+    sent = 0
+    pipe = client.pipeline(transaction=False)
+    for args in commands:
+        name = args[0].upper()
+        if name in NOT_REPLAYED or name in BLOCKING:
+            continue
+        pipe.execute_command(*args)
+        sent += 1
+        if len(pipe.command_stack) >= REPLAY_BATCH:
+            pipe.execute(raise_on_error=False)
+    pipe.execute(raise_on_error=False)
+    return sent
+
+
+def _stats(client: redis.Redis) -> dict[str, Any]:
+    return cast("dict[str, Any]", client.info("commandstats"))
+
+
+def _cpu_usec(client: redis.Redis) -> float:
+    cpu = cast("dict[str, Any]", client.info("cpu"))
+    return (cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1e6
