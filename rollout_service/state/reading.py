@@ -160,18 +160,25 @@ class JobReader:
         more = len(found) > limit
         return self.views([j for _, j in page]), page[-1][0] if more else None
 
-    def trim_job_index(self, batch: int = 1000) -> int:
-        """Drop the oldest index entries whose job expired (housekeeping); returns how many."""
+    def trim_job_index(self, batch: int = 1000, probe: int = 16) -> int:
+        """Drop the oldest index entries whose job expired (housekeeping); returns how many. Jobs
+        expire in the order they were created, so while the ``probe`` oldest are all alive there
+        is nothing to trim (one small look per sweep, not ``batch`` EXISTS)."""
         oldest = self._call(self.redis.zrange, JOB_INDEX, 0, batch - 1)
-        if not oldest:
-            return 0
-        pipe = self.redis.pipeline(transaction=False)
-        for member in oldest:
-            pipe.exists(self.key(member.decode()))
-        gone = [m for m, alive in zip(oldest, self._execute(pipe)) if not alive]
+        gone = self._expired(oldest[:probe])
+        if len(gone) == min(probe, len(oldest)) and len(oldest) > probe:
+            gone += self._expired(oldest[probe:])
         if gone:
             self._call(self.redis.zrem, JOB_INDEX, *gone)
         return len(gone)
+
+    def _expired(self, members: list[bytes]) -> list[bytes]:
+        if not members:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for member in members:
+            pipe.exists(self.key(member.decode()))
+        return [m for m, alive in zip(members, self._execute(pipe)) if not alive]
 
     def raw_trajectories(self, job_ids: list[str]) -> list[bytes | None]:
         """The stored msgpack trajectory blobs, one MGET; 404 naming ids that are not jobs."""

@@ -363,3 +363,21 @@ def test_the_workers_store_announces_a_batch_members_end_on_the_control_queue(
         message = queue.get(timeout=5)
         queue.close()
     assert (message.headers["task"], message.payload[0]) == ("workers.control.batch_member_done", [member])
+
+
+def test_housekeeping_trims_the_index_of_expired_jobs_and_only_glances_at_it_while_none_expired(
+    jobs: Jobs, redis_client: redis.Redis
+):
+    created = [ids[0] for ids, _ in jobs.store.create_many([math_request()] * 40)]
+    redis_client.delete(*[JobStore.key(job_id) for job_id in created[:20]])  # the oldest 20 expired
+
+    def exists_calls() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+    assert jobs.store.trim_job_index() == 20
+    listed, _ = jobs.store.list_jobs(limit=100)
+    assert {view.job_id for view in listed} >= set(created[20:])
+    assert not {view.job_id for view in listed} & set(created[:20])
+    before = exists_calls()
+    assert jobs.store.trim_job_index() == 0
+    assert exists_calls() - before <= 16  # not one EXISTS per indexed job on every sweep
