@@ -55,7 +55,7 @@ def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, ret
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_pool_wait_s,
         health_check_interval=30,
-        socket_keepalive=True,
+        **({} if url.startswith("unix:") else {"socket_keepalive": True}),  # TCP only
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
