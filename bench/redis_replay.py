@@ -3,7 +3,7 @@
 ``bench/scale.py --replay`` runs the service on a Redis of the bench's own with MONITOR allowed,
 records every command the service sends it (commands run inside scripts are not recorded: their
 script is, and replaying it runs them again), and afterwards replays the recorded commands into a
-fresh Redis of the same configuration from one client in pipelines of ``REPLAY_BATCH`` commands.
+fresh Redis of the same configuration from one client in pipelines of ``batch`` commands.
 The commands before the measured round rebuild its starting state; those of the round are
 measured. The replay's CPU per turn is what the same commands cost a Redis kept busy (warm caches,
 no wake-up per round trip): the stack's own figure minus this is what its round trips, its timing
@@ -107,15 +107,20 @@ def _arguments(text: str) -> list[bytes]:
     return args
 
 
-def replay(path: Path, turns: int, repeats: int = 3, appendonly: bool = True) -> dict[str, Any]:
-    """Replay a recording into a fresh Redis ``repeats`` times: µs of its CPU per turn for the
-    window's commands (the median, and each replay's), the commands by their µs (the median's)."""
+def replay(
+    path: Path, turns: int, repeats: int = 3, batch: int = REPLAY_BATCH, appendonly: bool = True
+) -> dict[str, Any]:
+    """Replay a recording into a fresh Redis ``repeats`` times in pipelines of ``batch`` commands:
+    µs of its CPU per turn for the window's commands (the median, and each replay's), the
+    commands by their µs (the median's)."""
     commands, start, end = parse(path)
-    runs = sorted((_replay_once(commands, start, end, turns, appendonly) for _ in range(repeats)), key=lambda r: r[0])
+    runs = sorted(
+        (_replay_once(commands, start, end, turns, batch, appendonly) for _ in range(repeats)), key=lambda r: r[0]
+    )
     usec, sent, top = runs[len(runs) // 2]
     return {
         "commands": sent,
-        "batch": REPLAY_BATCH,
+        "batch": batch,
         "usec_per_turn": usec,
         "usec_per_turn_each": [run[0] for run in runs],
         "top": top,
@@ -123,15 +128,15 @@ def replay(path: Path, turns: int, repeats: int = 3, appendonly: bool = True) ->
 
 
 def _replay_once(
-    commands: list[list[bytes]], start: int, end: int, turns: int, appendonly: bool
+    commands: list[list[bytes]], start: int, end: int, turns: int, batch: int, appendonly: bool
 ) -> tuple[float, int, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as tmp:
         server = RedisServer(Path(tmp), appendonly=appendonly).start()
         client = redis.Redis.from_url(server.url)
         try:
-            _play(client, commands[:start])
+            _play(client, commands[:start], REPLAY_BATCH)
             before, cpu_before = _stats(client), _cpu_usec(client)
-            sent = _play(client, commands[start:end])
+            sent = _play(client, commands[start:end], batch)
             cpu_after, after = _cpu_usec(client), _stats(client)
         finally:
             client.close()
@@ -152,7 +157,7 @@ def _replay_once(
     )
 
 
-def _play(client: redis.Redis, commands: list[list[bytes]]) -> int:
+def _play(client: redis.Redis, commands: list[list[bytes]], batch: int) -> int:
     sent = 0
     pipe = client.pipeline(transaction=False)
     for args in commands:
@@ -161,7 +166,7 @@ def _play(client: redis.Redis, commands: list[list[bytes]]) -> int:
             continue
         pipe.execute_command(*args)
         sent += 1
-        if len(pipe.command_stack) >= REPLAY_BATCH:
+        if len(pipe.command_stack) >= batch:
             pipe.execute(raise_on_error=False)
     pipe.execute(raise_on_error=False)
     return sent

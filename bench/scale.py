@@ -447,7 +447,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if server is not None:
                     server.stop()
         if recorder is not None:
-            rounds[0]["redis_replay"] = replay(recorder.path, args.rollouts * args.turns)
+            again = replay(recorder.path, args.rollouts * args.turns, batch=args.replay_batch)
+            trips = rounds[0]["redis_per_turn"]["state"]["round_trips_per_turn"] * args.rollouts * args.turns
+            again["stack_commands_per_round_trip"] = round(again["commands"] / max(trips, 1), 1)
+            rounds[0]["redis_replay"] = again
     return {**rounds[0], "later_rounds": rounds[1:]}
 
 
@@ -644,7 +647,8 @@ def report(r: dict[str, Any], round_number: int) -> None:
         print(
             f"  the state Redis's {again['commands']} commands of the round replayed in pipelines of "
             f"{again['batch']}: {again['usec_per_turn']} µs of its CPU per turn (median of "
-            f"{again['usec_per_turn_each']}; top: {top}); the recording (MONITOR) slowed the stack and its "
+            f"{again['usec_per_turn_each']}; top: {top}); the stack sent them "
+            f"{again['stack_commands_per_round_trip']} per round trip; the recording (MONITOR) slowed the stack and its "
             "Redis: quote their figures from a run without --replay"
         )
     for name, cost in r["redis_per_turn"].items():
@@ -866,6 +870,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also record the state Redis's commands (MONITOR, on a Redis of the bench's own) and "
         "replay the round's into a fresh Redis in big pipelines: what the commands cost by themselves",
+    )
+    parser.add_argument(
+        "--replay-batch", type=int, default=200, help="with --replay: commands per pipeline of the replay"
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
