@@ -103,6 +103,15 @@ def resolve_model(backends: list[BackendView], model: str | None) -> tuple[str, 
     return model, next(b.tokenizer for b in backends if b.model == model)
 
 
+def with_finish_hint(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
+    """The task's messages for the built-in agent: its last user message ends with how to submit
+    with its finish tool (a harness has no such tool, and is not told of it)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if not hint or last is None:
+        return messages
+    return [{**m, "content": m["content"] + hint} if i == last else m for i, m in enumerate(messages)]
+
+
 def prepare_job(stage: PreparingStage, request: JobRequest, backends: list[BackendView]) -> Prepared:
     """Checks, handler, workspace and prompt ids; ``backends`` is filled if empty. Init runs it, and
     run for a job that skipped init (``tasks.first_stage``)."""
@@ -115,7 +124,7 @@ def prepare_job(stage: PreparingStage, request: JobRequest, backends: list[Backe
     setup = handler.prepare(request.task, workspace)
     tools = tuple(request.agent.tools) if request.agent.tools is not None else setup.tools
     check_tools(handler, request.task, tools)
-    messages = setup.messages
+    messages = with_finish_hint(setup.messages, setup.finish_hint) if request.agent.harness is None else setup.messages
     if request.agent.system_prompt is not None:
         messages = [{"role": "system", "content": request.agent.system_prompt}] + [
             m for m in messages if m["role"] != "system"

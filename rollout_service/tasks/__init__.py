@@ -24,6 +24,7 @@ class TaskSetup:
     tools: tuple[str, ...]
     image: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    finish_hint: str = ""  # how to submit with the built-in agent's finish tool: ends its user message, not a harness's
 
 
 class DomainHandler(Protocol):

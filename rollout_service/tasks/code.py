@@ -120,14 +120,15 @@ class CodeHandler:
             (workspace / SOLUTION_FILE).write_text(task["prompt"])
             user = (
                 f"Complete this Python function; hidden tests will check it.\n\n```python\n"
-                f"{task['prompt'].rstrip()}\n```\n\nThe stub is in /workspace/{SOLUTION_FILE}. When you are "
-                f"done, call finish with the complete code (imports and `{task['entry_point']}`)."
+                f"{task['prompt'].rstrip()}\n```\n\nThe stub is in /workspace/{SOLUTION_FILE}."
             )
+            hint = f" When you are done, call finish with the complete code (imports and `{task['entry_point']}`)."
         else:
             user = (
                 f"{task['text'].strip()}\n\nYour code should pass tests like this one:\n```python\n"
-                f"{task['test_list'][0]}\n```\nWhen you are done, call finish with the complete code."
+                f"{task['test_list'][0]}\n```"
             )
+            hint = "\nWhen you are done, call finish with the complete code."
         return TaskSetup(
             messages=[
                 {"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
@@ -135,6 +136,7 @@ class CodeHandler:
             ],
             tools=self.tools,
             image=task.get("image"),
+            finish_hint=hint,
         )
 
     def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:

@@ -107,13 +107,14 @@ class StemHandler:
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         options = "\n".join(f"{LETTERS[i]}. {choice}" for i, choice in enumerate(task["choices"]))
-        user = f"{task['question'].strip()}\n\n{options}\n\nCall finish with the letter of the correct choice."
+        user = f"{task['question'].strip()}\n\n{options}"
         return TaskSetup(
             messages=[
                 {"role": "system", "content": task.get("system_prompt", SYSTEM_PROMPT)},
                 {"role": "user", "content": user},
             ],
             tools=self.offered_tools(task),
+            finish_hint="\n\nCall finish with the letter of the correct choice.",
         )
 
     def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:

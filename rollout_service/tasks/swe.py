@@ -275,7 +275,7 @@ class SweHandler:
         user = (
             f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
             f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "
-            "hidden tests will check it. When you are done, call finish."
+            "hidden tests will check it."
         )
         return TaskSetup(
             messages=[
@@ -285,6 +285,7 @@ class SweHandler:
             tools=self.tools,
             image=task.get("image"),
             extra={"repo_dir": repo_dir},
+            finish_hint=" When you are done, call finish.",
         )
 
     @staticmethod
