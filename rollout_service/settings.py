@@ -55,7 +55,8 @@ class Settings:
     metrics_flush_s: float = 0.5  # a green worker writes the metrics of the episodes that ended in this time together
     redis_max_connections: int = 64  # per process; callers beyond it wait for a free one
     redis_pool_wait_s: float = 30.0  # how long a caller waits for a free connection of its process's Redis pool
-    redis_batch_linger_ms: float = 2.0  # a run worker gathers its episodes' Redis commands this long before their shared round trip (0: send at once)
+    redis_batch_linger_ms: float = 2.0  # a busy run worker gathers its episodes' Redis commands this long before their shared round trip (0: never)
+    redis_batch_linger_min_episodes: int = 32  # a run worker lingers only while it runs at least this many episodes (fewer: each round trip leaves at once)
     job_ttl_s: int = 7 * 24 * 3600  # how long a job's records (hash, request, trajectory) and a batch's stay in Redis
     job_deadline_s: float = 1800.0  # a job's deadline from its creation, unless timeouts.job_s; bounds every LLM and tool call
     visibility_timeout_s: int = 4 * 3600  # the broker redelivers an unacknowledged message after this (at least twice job_deadline_s)

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from rollout_service.concurrency.autopipeline import AutoPipelineRedis
 from rollout_service.concurrency.green import after_live_work, green_process, in_background
 from rollout_service.runtime.llm import CALL_GATE
 from rollout_service.sandbox.base import BackgroundStart, Sandbox
@@ -114,7 +115,11 @@ class EpisodeRunner:
         if taken < len(job_ids):
             dispatch.send_stage("run", job_ids[taken:])
         if green_process():
-            CALL_GATE.keep(job_store().redis, get_settings().call_gate_lease_s)
+            client = job_store().redis
+            CALL_GATE.keep(client, get_settings().call_gate_lease_s)
+            if isinstance(client, AutoPipelineRedis):  # its round trips linger only while many episodes run
+                many = get_settings().redis_batch_linger_min_episodes
+                client.busy = lambda: self.slots.used >= many
         gap_s = get_settings().episode_start_gap_ms / 1000
         joins = []
         for n, job_id in enumerate(job_ids[:taken]):

@@ -55,13 +55,15 @@ class _Waiter:
 
 
 class AutoPipelineRedis(redis.Redis):
-    """``redis.Redis`` whose non-blocking commands ride shared pipelines (gevent only). A round trip
-    waits ``linger_s`` after the first command queued for it, gathering the commands other greenlets
-    issue meanwhile: each round trip costs Redis a wake-up, a read and a write whatever it carries."""
+    """``redis.Redis`` whose non-blocking commands ride shared pipelines (gevent only). While
+    ``busy()`` says so, a round trip waits ``linger_s`` after the first command queued for it,
+    gathering the commands other greenlets issue meanwhile: each round trip costs Redis a wake-up,
+    a read and a write whatever it carries, and a process running few episodes would only wait."""
 
     def __init__(self, *args: Any, linger_s: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.linger_s = linger_s
+        self.busy: Callable[[], bool] = lambda: True
         self._queued: list[_Waiter] = []
         self._flushing = False
         self._loaded: set[str] = set()  # shas of the scripts this client loaded ahead of their calls
@@ -142,7 +144,7 @@ class AutoPipelineRedis(redis.Redis):
         import gevent
 
         try:
-            if self.linger_s > 0:
+            if self.linger_s > 0 and self.busy():
                 gevent.sleep(self.linger_s)
             while self._queued:
                 batch, self._queued = self._queued, []

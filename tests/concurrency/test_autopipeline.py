@@ -65,7 +65,7 @@ def test_many_greenlets_share_round_trips_and_each_gets_its_own_reply(redis_clie
     assert result["green_class"] == "AutoPipelineRedis"
 
 
-def test_commands_issued_within_the_linger_share_one_round_trip_and_none_without_it(redis_client, redis_url):
+def test_commands_issued_within_the_linger_of_a_busy_worker_share_one_round_trip_and_none_otherwise(redis_client, redis_url):
     result = run_green(
         redis_url,
         """
@@ -96,14 +96,16 @@ def test_commands_issued_within_the_linger_share_one_round_trip_and_none_without
         lingering = redis_client()
         gathered, gathered_trips = staggered(lingering)
         at_once, at_once_trips = staggered(AutoPipelineRedis.from_url(os.environ["REDIS_URL"]))
+        lingering.busy = lambda: False  # a run worker with few episodes: nothing to gather
+        idle, idle_trips = staggered(lingering)
         print(json.dumps({"linger_s": lingering.linger_s, "gathered": gathered, "gathered_trips": gathered_trips,
-                          "at_once": at_once, "at_once_trips": at_once_trips}))
+                          "at_once": at_once, "at_once_trips": at_once_trips, "idle_trips": idle_trips}))
     """,
     )
     assert result["linger_s"] == 0.05  # from ROLLOUT_REDIS_BATCH_LINGER_MS
     assert result["gathered"] == [1] * 20 and result["at_once"] == [2] * 20
     assert result["gathered_trips"] == 1, result
-    assert result["at_once_trips"] >= 10, result
+    assert result["at_once_trips"] >= 10 and result["idle_trips"] >= 10, result
 
 
 def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_its_scripts(redis_client, redis_url):
