@@ -65,7 +65,9 @@ def test_many_greenlets_share_round_trips_and_each_gets_its_own_reply(redis_clie
     assert result["green_class"] == "AutoPipelineRedis"
 
 
-def test_commands_issued_within_the_linger_of_a_busy_worker_share_one_round_trip_and_none_otherwise(redis_client, redis_url):
+def test_commands_issued_within_the_linger_of_a_busy_worker_share_one_round_trip_and_none_otherwise(
+    redis_client, redis_url
+):
     result = run_green(
         redis_url,
         """
