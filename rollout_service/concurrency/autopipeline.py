@@ -56,14 +56,15 @@ class _Waiter:
 
 class AutoPipelineRedis(redis.Redis):
     """``redis.Redis`` whose non-blocking commands ride shared pipelines (gevent only). While
-    ``busy()`` says so, a round trip waits ``linger_s`` after the first command queued for it,
-    gathering the commands other greenlets issue meanwhile: each round trip costs Redis a wake-up,
-    a read and a write whatever it carries, and a process running few episodes would only wait."""
+    ``busy()`` says so (a run worker running many episodes sets it), a round trip waits ``linger_s``
+    after the first command queued for it, gathering the commands other greenlets issue meanwhile:
+    each round trip costs Redis a wake-up, a read and a write whatever it carries, and a process
+    with little to gather would only wait."""
 
-    def __init__(self, *args: Any, linger_s: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.linger_s = linger_s
-        self.busy: Callable[[], bool] = lambda: True
+        self.linger_s = 0.0
+        self.busy: Callable[[], bool] = lambda: False
         self._queued: list[_Waiter] = []
         self._flushing = False
         self._loaded: set[str] = set()  # shas of the scripts this client loaded ahead of their calls

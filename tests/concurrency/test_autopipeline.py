@@ -96,9 +96,10 @@ def test_commands_issued_within_the_linger_of_a_busy_worker_share_one_round_trip
         os.environ["ROLLOUT_REDIS_BATCH_LINGER_MS"] = "50"
         get_settings.cache_clear()
         lingering = redis_client()
+        lingering.busy = lambda: True  # as a run worker running many episodes sets it
         gathered, gathered_trips = staggered(lingering)
         at_once, at_once_trips = staggered(AutoPipelineRedis.from_url(os.environ["REDIS_URL"]))
-        lingering.busy = lambda: False  # a run worker with few episodes: nothing to gather
+        lingering.busy = lambda: False  # a run worker with few episodes, or any other green process
         idle, idle_trips = staggered(lingering)
         print(json.dumps({"linger_s": lingering.linger_s, "gathered": gathered, "gathered_trips": gathered_trips,
                           "at_once": at_once, "at_once_trips": at_once_trips, "idle_trips": idle_trips}))
