@@ -107,6 +107,43 @@ def _arguments(text: str) -> list[bytes]:
     return args
 
 
+def command_stats(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """command -> (calls, µs) so far, from INFO commandstats; ``cpu`` -> (0, µs of CPU the server's
+    main thread used, from INFO cpu) and ``reads`` -> (read events it processed: round trips, 0)."""
+    stats, cpu, counts = (cast("dict[str, Any]", client.info(part)) for part in ("commandstats", "cpu", "stats"))
+    used_s = cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]
+    return {
+        **{name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()},
+        "cpu": (0, int(used_s * 1e6)),
+        "reads": (int(counts["total_reads_processed"]), 0),
+    }
+
+
+SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
+
+
+def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], turns: int) -> dict[str, Any]:
+    """Per turn between two ``command_stats``: commands (a script counts once, and so does each
+    command it runs), µs of the server's CPU (its main thread: commands, scripts, client I/O,
+    housekeeping), and every command by its commandstats µs (a script's µs include those of
+    the commands it runs, which are also counted under their own names)."""
+    delta = {
+        name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
+        for name, (calls, usec) in after.items()
+    }
+    cpu_usec, reads = delta.pop("cpu")[1], delta.pop("reads")[0]
+    delta = {name: d for name, d in delta.items() if d[0] > 0 and name != "info"}
+    top = sorted(delta.items(), key=lambda item: -item[1][1])
+    return {
+        "commands_per_turn": round(sum(c for c, _ in delta.values()) / turns, 2),
+        "usec_per_turn": round(cpu_usec / turns, 2),
+        "commandstats_usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
+        "round_trips_per_turn": round(reads / turns, 2),
+        "script_calls_per_turn": round(sum(delta.get(name, (0, 0))[0] for name in SCRIPT_COMMANDS) / turns, 2),
+        "top": {name: {"calls": c, "usec": u} for name, (c, u) in top},
+    }
+
+
 def replay(
     path: Path, turns: int, repeats: int = 3, batch: int = REPLAY_BATCH, appendonly: bool = True
 ) -> dict[str, Any]:
@@ -135,26 +172,13 @@ def _replay_once(
         client = redis.Redis.from_url(server.url)
         try:
             _play(client, commands[:start], REPLAY_BATCH)
-            before, cpu_before = _stats(client), _cpu_usec(client)
+            before = command_stats(client)
             sent = _play(client, commands[start:end], batch)
-            cpu_after, after = _cpu_usec(client), _stats(client)
+            cost = redis_cost(before, command_stats(client), turns)
         finally:
             client.close()
             server.stop()
-    delta = {
-        name.removeprefix("cmdstat_"): (
-            stats["calls"] - before.get(name, {}).get("calls", 0),
-            stats["usec"] - before.get(name, {}).get("usec", 0),
-        )
-        for name, stats in after.items()
-        if name != "cmdstat_info"
-    }
-    top = sorted(((n, c, u) for n, (c, u) in delta.items() if c > 0), key=lambda item: -item[2])
-    return (
-        round((cpu_after - cpu_before) / turns, 2),
-        sent,
-        {name: {"calls": calls, "usec": usec} for name, calls, usec in top[:12]},
-    )
+    return cost["usec_per_turn"], sent, dict(list(cost["top"].items())[:12])
 
 
 def _play(client: redis.Redis, commands: list[list[bytes]], batch: int) -> int:
@@ -170,12 +194,3 @@ def _play(client: redis.Redis, commands: list[list[bytes]], batch: int) -> int:
             pipe.execute(raise_on_error=False)
     pipe.execute(raise_on_error=False)
     return sent
-
-
-def _stats(client: redis.Redis) -> dict[str, Any]:
-    return cast("dict[str, Any]", client.info("commandstats"))
-
-
-def _cpu_usec(client: redis.Redis) -> float:
-    cpu = cast("dict[str, Any]", client.info("cpu"))
-    return (cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1e6

@@ -34,7 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from bench.redis_replay import WINDOW_END, WINDOW_START, Recorder, mark, replay  # noqa: E402
+from bench.redis_replay import (  # noqa: E402
+    WINDOW_END,
+    WINDOW_START,
+    Recorder,
+    command_stats,
+    mark,
+    redis_cost,
+    replay,
+)
 from rollout_service.devtools.redis_server import RedisServer, free_port  # noqa: E402
 from rollout_service.devtools.tiny_model import build_tiny_tokenizer  # noqa: E402
 from rollout_service.errors import DeadlineExceeded  # noqa: E402
@@ -359,47 +367,15 @@ def write_timeline(
             )
 
 
-def command_stats(url: str) -> dict[str, tuple[int, int]]:
-    """command -> (calls, µs) so far, from INFO commandstats; ``cpu`` -> (0, µs of CPU the server's
-    main thread used, from INFO cpu) and ``reads`` -> (read events it processed: round trips, 0)."""
+def stats_at(url: str) -> dict[str, tuple[int, int]]:
+    """``command_stats`` of the Redis at ``url``."""
     import redis
 
     client = redis.Redis.from_url(url)
     try:
-        stats, cpu, counts = client.info("commandstats"), client.info("cpu"), client.info("stats")
+        return command_stats(client)
     finally:
         client.close()
-    used_s = cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]
-    return {
-        **{name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()},
-        "cpu": (0, int(used_s * 1e6)),
-        "reads": (int(counts["total_reads_processed"]), 0),
-    }
-
-
-SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
-
-
-def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], turns: int) -> dict[str, Any]:
-    """Per turn between two ``command_stats``: commands (a script counts once, and so does each
-    command it runs), µs of the server's CPU (its main thread: commands, scripts, client I/O,
-    housekeeping), and every command by its commandstats µs (a script's µs include those of
-    the commands it runs, which are also counted under their own names)."""
-    delta = {
-        name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
-        for name, (calls, usec) in after.items()
-    }
-    cpu_usec, reads = delta.pop("cpu")[1], delta.pop("reads")[0]
-    delta = {name: d for name, d in delta.items() if d[0] > 0 and name != "info"}
-    top = sorted(delta.items(), key=lambda item: -item[1][1])
-    return {
-        "commands_per_turn": round(sum(c for c, _ in delta.values()) / turns, 2),
-        "usec_per_turn": round(cpu_usec / turns, 2),
-        "commandstats_usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
-        "round_trips_per_turn": round(reads / turns, 2),
-        "script_calls_per_turn": round(sum(delta.get(name, (0, 0))[0] for name in SCRIPT_COMMANDS) / turns, 2),
-        "top": {name: {"calls": c, "usec": u} for name, (c, u) in top},
-    }
 
 
 def redis_urls(stack: Stack) -> dict[str, str]:
@@ -469,7 +445,7 @@ def measure_round(
     replayed = args.replay and round_number == 0
     if replayed:
         mark(redis_urls(stack)["state"], WINDOW_START)
-    stats_before = {name: command_stats(url) for name, url in redis_urls(stack).items()}
+    stats_before = {name: stats_at(url) for name, url in redis_urls(stack).items()}
     bodies = [job_body(args, round_number * args.rollouts + i) for i in range(args.rollouts)]
     httpx.get(f"{sim_url}/lateness")  # forget the warm-up's calls
     started, started_at = time.monotonic(), time.time()
@@ -503,7 +479,7 @@ def measure_round(
     sim_late_ms = httpx.get(f"{sim_url}/lateness").json()
     cpu_after, busy_s = cpu_seconds(process_tree(stack.process.pid) + [sim.pid]), machine_busy_s() - busy_before
     redis_per_turn = {
-        name: redis_cost(stats_before[name], command_stats(url), args.rollouts * args.turns)
+        name: redis_cost(stats_before[name], stats_at(url), args.rollouts * args.turns)
         for name, url in redis_urls(stack).items()
     }
     if replayed:
@@ -708,12 +684,9 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
             firsts: dict[str, Any] = {}
 
             def sample() -> tuple[float, int, int]:
-                cpu, stats, counts = admin.info("cpu"), admin.info("commandstats"), admin.info("stats")
-                return (
-                    (cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]) * 1e6,
-                    sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
-                    int(counts["total_reads_processed"]),
-                )
+                stats = command_stats(admin)
+                calls = sum(c for name, (c, _) in stats.items() if name not in ("cpu", "reads", "info"))
+                return stats["cpu"][1], calls, stats["reads"][0]
 
             def each(step: Any) -> None:
                 gevent.joinall([gevent.spawn(step, job_id) for job_id in job_ids], raise_error=True)
