@@ -215,6 +215,28 @@ class CancelWatcher:
 CANCELS = CancelWatcher()
 
 
+def _recorded(
+    record: TrajectoryBuilder,
+    gen: Generation,
+    backend_id: str,
+    version: int,
+    moved_from: str | None,
+    ended_under: Callable[[], int | None] | None,
+) -> list[int]:
+    """``gen`` added to the episode's trajectory as the engine returned it; its token ids."""
+    record.add_generation(
+        gen.token_ids,
+        gen.logprobs,
+        backend_id=backend_id,
+        policy_version=version,
+        finish_reason=gen.finish_reason,
+        latency_s=gen.latency_s,
+        moved_from=moved_from,
+        ended_under=ended_under,
+    )
+    return gen.token_ids
+
+
 MAX_ABORTED_CALLS = 5  # one call dropped by this many engine aborts in a row fails the job
 
 
@@ -280,17 +302,7 @@ class PooledLLM:
         self.down_since = None
         moved_from = next((b for b in (left, self.last_backend_id) if b not in (None, backend.id)), None)
         self.last_backend_id, self.sticky = backend.id, backend
-        record.add_generation(
-            gen.token_ids,
-            gen.logprobs,
-            backend_id=backend.id,
-            policy_version=version,
-            finish_reason=gen.finish_reason,
-            latency_s=gen.latency_s,
-            moved_from=moved_from,
-            ended_under=ended_under,
-        )
-        return gen.token_ids
+        return _recorded(record, gen, backend.id, version, moved_from, ended_under)
 
     def _generate_under_gate(
         self, backend: BackendView, version: int, prompt_ids: list[int], max_new_tokens: int, record: TrajectoryBuilder
@@ -318,17 +330,7 @@ class PooledLLM:
         if gen is None or ended_under is None or assigned != backend.id:
             self.sticky = None
             return None
-        record.add_generation(
-            gen.token_ids,
-            gen.logprobs,
-            backend_id=backend.id,
-            policy_version=version,
-            finish_reason=gen.finish_reason,
-            latency_s=gen.latency_s,
-            moved_from=None,
-            ended_under=ended_under,
-        )
-        return gen.token_ids
+        return _recorded(record, gen, backend.id, version, None, ended_under)
 
     def _call(self, backend: BackendView, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         """One call to ``backend``; a limit it hits ends the episode, an unreachable server raises."""
