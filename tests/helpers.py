@@ -11,9 +11,12 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from rollout_service.devtools.engines import VLLMServer
 
 
 def tool_call(name: str, **arguments: object) -> str:
@@ -141,3 +144,23 @@ assert summary["message"]["content"] == "Summary: 4", summary
 with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
     f.write("\\boxed{4}")
 """
+
+
+def vllm_rescored(engine: VLLMServer, prompt_ids: list[int], generated: list[int], timeout_s: float) -> list[float]:
+    """vLLM's own logprob of each generated token, scoring prompt + generation as a prompt
+    (``prompt_logprobs``, temperature 1)."""
+    answer = httpx.post(
+        f"{engine.url}/v1/completions",
+        timeout=timeout_s,
+        json={
+            "model": engine.model,
+            "prompt": prompt_ids + generated,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        },
+    ).json()
+    return [
+        entry[str(token)]["logprob"]
+        for entry, token in zip(answer["choices"][0]["prompt_logprobs"][len(prompt_ids) :], generated)
+    ]

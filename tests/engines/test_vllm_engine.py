@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 
-import httpx
-
 from rollout_service.devtools.engines import VLLMServer
-from tests.helpers import math_task
+from tests.helpers import math_task, vllm_rescored
 
 
 def test_math_jobs_on_vllm_complete_and_their_logprobs_are_vllms_own(
@@ -28,18 +26,7 @@ def test_math_jobs_on_vllm_complete_and_their_logprobs_are_vllms_own(
             assert trajectory.response_ids and trajectory.turns[0].backend_id == backend.id
             first = trajectory.turns[0]
             generated = trajectory.response_ids[first.start : first.end]
-            rescored = httpx.post(
-                f"{vllm_engine.url}/v1/completions",
-                timeout=120,
-                json={
-                    "model": "smollm2",
-                    "prompt": trajectory.prompt_ids + generated,
-                    "max_tokens": 1,
-                    "prompt_logprobs": 0,
-                    "temperature": 1.0,
-                },
-            ).json()["choices"][0]["prompt_logprobs"]
-            expected = [next(iter(entry.values()))["logprob"] for entry in rescored[len(trajectory.prompt_ids) :]]
+            expected = vllm_rescored(vllm_engine, trajectory.prompt_ids, generated, timeout_s=120)
             recorded = trajectory.logprobs[first.start : first.end]
             assert len(recorded) == len(expected)
             assert all(math.isclose(a, b, abs_tol=2e-3) for a, b in zip(recorded, expected)), (recorded, expected)

@@ -15,7 +15,7 @@ import pytest
 from rollout_service.devtools.engines import VLLMServer
 from rollout_service.devtools.models import SMOLLM2_LT_TOKEN_ID
 from rollout_service.schemas import Segment
-from tests.helpers import math_task
+from tests.helpers import math_task, vllm_rescored
 
 # greedy with "<" favoured, the 135M model opens a <tool_call> every turn
 FORCED_TOOL_CALLS = {"temperature": 0.0, "logit_bias": {str(SMOLLM2_LT_TOKEN_ID): 10.0}}
@@ -50,29 +50,16 @@ with open(os.environ["ROLLOUT_ANSWER_FILE"], "w") as f:
 """
 
 
-def rescored(engine: VLLMServer, prompt_ids: list[int], generated: list[int]) -> list[float]:
-    """vLLM's own logprobs of ``generated`` after ``prompt_ids`` (``prompt_logprobs``, temperature 1)."""
-    answer = httpx.post(
-        f"{engine.url}/v1/completions",
-        timeout=300,
-        json={
-            "model": engine.model,
-            "prompt": prompt_ids + generated,
-            "max_tokens": 1,
-            "prompt_logprobs": 0,
-            "temperature": 1.0,
-        },
-    ).json()["choices"][0]["prompt_logprobs"]
-    return [next(iter(entry.values()))["logprob"] for entry in answer[len(prompt_ids) :]]
-
-
 def assert_every_generation_is_vllms_own(engine: VLLMServer, segment: Segment) -> int:
     generations = [turn for turn in segment.turns if turn.kind == "generation"]
     assert generations
     for turn in generations:
         assert all(segment.loss_mask[turn.start : turn.end])
-        expected = rescored(
-            engine, segment.prompt_ids + segment.response_ids[: turn.start], segment.response_ids[turn.start : turn.end]
+        expected = vllm_rescored(
+            engine,
+            segment.prompt_ids + segment.response_ids[: turn.start],
+            segment.response_ids[turn.start : turn.end],
+            timeout_s=300,
         )
         recorded = segment.logprobs[turn.start : turn.end]
         assert len(recorded) == len(expected) > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 
 from rollout_service.devtools.engines import VLLMServer
@@ -15,30 +14,11 @@ from rollout_service.runtime.inference import ReferenceClient, VLLMClient
 from rollout_service.schemas import Sampling
 from rollout_service.state.codec import unpack
 from rollout_service.state.store import JobStore
-from tests.helpers import math_task
+from tests.helpers import math_task, vllm_rescored
 
 EOS = 2  # SmolLM2's <|im_end|>
 PROMPT = [1, 9690, 198, 2683, 314, 216, 34, 1232, 216, 34, 47, 2, 198]
 TOLERANCE = 1e-4  # float32 on both sides: the same kernels, batched differently
-
-
-def rescored(engine: VLLMServer, prompt_ids: list[int], generated: list[int]) -> list[float]:
-    """vLLM's own logprob of each generated token, scoring prompt + generation as a prompt."""
-    answer = httpx.post(
-        f"{engine.url}/v1/completions",
-        timeout=120,
-        json={
-            "model": engine.model,
-            "prompt": prompt_ids + generated,
-            "max_tokens": 1,
-            "prompt_logprobs": 0,
-            "temperature": 1.0,
-        },
-    ).json()
-    return [
-        entry[str(token)]["logprob"]
-        for entry, token in zip(answer["choices"][0]["prompt_logprobs"][len(prompt_ids) :], generated)
-    ]
 
 
 def assert_close(recorded: list[float], expected: list[float]) -> None:
@@ -51,7 +31,9 @@ def test_the_token_route_returns_what_vllm_computes_and_what_completions_returns
     token_route = VLLMClient(vllm_engine.url, vllm_engine.model).generate(PROMPT, sampling, 24, 120)
     assert inference._vllm_routes[vllm_engine.url] == "generate"
     assert token_route.finish_reason in ("stop", "length") and token_route.token_ids
-    assert_close(token_route.logprobs, rescored(vllm_engine, PROMPT, token_route.token_ids))  # raw: before penalties
+    assert_close(
+        token_route.logprobs, vllm_rescored(vllm_engine, PROMPT, token_route.token_ids, timeout_s=120)
+    )  # raw: before penalties
     completions = ReferenceClient(vllm_engine.url, vllm_engine.model).generate(PROMPT, sampling, 24, 120)
     assert (completions.token_ids, completions.logprobs) == (token_route.token_ids, token_route.logprobs)
 
@@ -99,7 +81,7 @@ def test_a_jobs_sampling_reaches_vllm_is_recorded_with_the_job_and_its_logprobs_
         first = trajectory.turns[0]
         generated = trajectory.response_ids[first.start : first.end]
         assert generated == [28] * 10
-        expected = rescored(vllm_engine, trajectory.prompt_ids, generated)
+        expected = vllm_rescored(vllm_engine, trajectory.prompt_ids, generated, timeout_s=120)
         assert_close(trajectory.logprobs[first.start : first.end], expected)
         stored = unpack(service.redis().get(JobStore.key(job_id, "request")))["sampling"]
         assert {key: stored[key] for key in sampling} == sampling
