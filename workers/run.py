@@ -82,7 +82,7 @@ def run_episode(ctx: StageContext, start: EpisodeStart) -> None:
             ctx.store.put_trajectory(ctx.job_id, agent.history.build(FinishReason.error))
         if sandbox is not None:
             sandbox.stop_soon()
-        llm.release()
+        ctx.end_call = llm.release_with_end()  # the job's backend, released by the stage's end
     record(ctx, job, episode, episode_end, artifact, sandbox)
 
 

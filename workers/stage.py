@@ -30,7 +30,7 @@ from rollout_service.settings import Settings, get_settings
 from rollout_service.state.codec import unpack
 from rollout_service.state.connection import redis_client
 from rollout_service.state.metrics_recording import Increments
-from rollout_service.state.store import BeginCall, JobStore, StageEnd
+from rollout_service.state.store import BeginCall, EndCall, JobStore, StageEnd
 from workers import dispatch
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class StageContext:
     results: dict[str, Any] = field(default_factory=dict)  # blobs stored with the stage's end
     finish_as: tuple[JobStatus, dict[str, Any]] | None = None  # a terminal move made with them
     end_fields: dict[str, Any] = field(default_factory=dict)  # job fields set with the stage's end
+    end_call: EndCall | None = None  # what the stage's end also does, however the stage ended
 
     def remaining_s(self) -> float:
         return self.deadline_at - time.time()
@@ -190,6 +191,7 @@ def stage(
     finally:
         leases.drop(job_id)
         if end is not None:
+            end.call = ctx.end_call
             ended.append(end)
 
 

@@ -32,7 +32,7 @@ from rollout_service.settings import get_settings
 from rollout_service.state.backends import AllBackendsDown, BackendPool, FirstCall
 from rollout_service.state.connection import as_text
 from rollout_service.state.keys import CANCEL_CHANNEL
-from rollout_service.state.store import JobStore
+from rollout_service.state.store import EndCall, JobStore
 
 OUTAGE_POLL_S = 1.0  # while every backend of a job's model is down, how often its call asks for one again
 
@@ -354,11 +354,15 @@ class PooledLLM:
             if abort is not None:
                 CANCELS.unwatch(abort, self.job_key)
 
-    def release(self) -> None:
+    def release_with_end(self) -> EndCall:
+        """``release``, made by the script that ends the job's stage (``StageContext.end_call``)."""
+        self._drop_first_call()
+        return self.pool.release_with_end(self.job_id)
+
+    def _drop_first_call(self) -> None:
         if self.first_call is not None:
             self.pool.drop_first_call(self.job_id, self.first_call)
             self.first_call = None
-        self.pool.release(self.job_id)
 
     def _start_call(self) -> BackendView:
         """The job's backend for this call, after one round trip that also checks the cancel flag

@@ -10,7 +10,7 @@ from rollout_service.state.keys import ATTEMPT_FIELDS, STAGE_TIMES
 ENDED_FIELDS = ("status", "finish_reason", "batch_id", "created_at", *STAGE_TIMES, *ATTEMPT_FIELDS)
 
 # A status move. KEYS: job hash, live set, finished channel. ARGV from ``o``: status, allowed from
-# (comma-separated, '' any), '1' if terminal, job id, then field, value pairs.
+# (comma-separated, '' any), '1' if terminal, job id, then field, value pairs up to ARGV[last].
 _MOVE = """
 local function move(o)
   local cur = redis.call('HGET', KEYS[1], 'status')
@@ -21,7 +21,7 @@ local function move(o)
     for s in string.gmatch(ARGV[o + 1], '[^,]+') do if s == cur then ok = true end end
     if not ok then return 0 end
   end
-  redis.call('HSET', KEYS[1], 'status', ARGV[o], unpack(ARGV, o + 4))
+  redis.call('HSET', KEYS[1], 'status', ARGV[o], unpack(ARGV, o + 4, last))
   if ARGV[o + 2] == '1' then
     redis.call('SREM', KEYS[2], ARGV[o + 3])
     redis.call('PUBLISH', KEYS[3], ARGV[o + 3])
@@ -31,7 +31,7 @@ local function move(o)
 end
 """.replace("ENDED_FIELDS", ", ".join(f"'{name}'" for name in ENDED_FIELDS))
 
-TRANSITION = _MOVE + "return move(1)"
+TRANSITION = "local last = #ARGV\n" + _MOVE + "return move(1)"
 
 # Everything a stage checks and records before its body, in one round trip, as a Lua function other
 # scripts can begin with (backends.py: the run stage's begin with its first LLM call).
@@ -57,27 +57,46 @@ end
 BEGIN_STAGE_ARGS = 10  # a script that begins with begin_stage() reads its own ARGV after these
 BEGIN_STAGE = BEGIN_STAGE_FUNCTION + "return begin_stage()"
 
-END_STAGE = """
-if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-if #ARGV > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2)) end
-return redis.call('HGET', KEYS[1], 'status')
+# A stage's end: its lease released, then its fields set: the status after. KEYS: job hash, lease.
+# ARGV: lease owner, then field, value pairs up to ARGV[last].
+_END_STAGE = """
+local function end_stage()
+  if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+  if last > 1 then redis.call('HSET', KEYS[1], unpack(ARGV, 2, last)) end
+  return redis.call('HGET', KEYS[1], 'status')
+end
 """
 
 # A stage's end with a move first: {what TRANSITION answers, the status after}. KEYS: job hash, live
 # set, finished channel, lease. ARGV: lease owner, n, n args of field, value pairs, the move's ARGV
 # (whose field, value pairs end with the same n: a move sets them with its own).
-MOVE_AND_END_STAGE = (
+_MOVE_AND_END_STAGE = (
     _MOVE
     + """
-local n = tonumber(ARGV[2])
-local moved = move(n + 3)
-if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
-if moved == -1 then return {moved, false} end
-if moved ~= 0 then return {moved, ARGV[n + 3]} end
-if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, n + 2)) end
-return {moved, redis.call('HGET', KEYS[1], 'status')}
+local function move_and_end()
+  local n = tonumber(ARGV[2])
+  local moved = move(n + 3)
+  if redis.call('GET', KEYS[4]) == ARGV[1] then redis.call('DEL', KEYS[4]) end
+  if moved == -1 then return {moved, false} end
+  if moved ~= 0 then return {moved, ARGV[n + 3]} end
+  if n > 0 then redis.call('HSET', KEYS[1], unpack(ARGV, 3, n + 2)) end
+  return {moved, redis.call('HGET', KEYS[1], 'status')}
+end
 """
 )
+
+
+def stage_end_scripts(then: str = "", then_args: int = 0) -> tuple[str, str]:
+    """The scripts that end a stage: plain, and with a move first. ``then``: Lua the script runs
+    after the end (``then_args`` more ARGV, after the end's own, from ``ARGV[last + 1]``)."""
+    head = f"local last = #ARGV - {then_args}\n"
+    return (
+        head + _END_STAGE + f"local answer = end_stage()\n{then}\nreturn answer",
+        head + _MOVE_AND_END_STAGE + f"local answer = move_and_end()\n{then}\nreturn answer",
+    )
+
+
+END_STAGE, MOVE_AND_END_STAGE = stage_end_scripts()
 
 RENEW_LEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end

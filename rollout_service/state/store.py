@@ -54,6 +54,7 @@ class StageEnd:
     fields: dict[str, Any] = dataclass_field(default_factory=dict)
     blobs: dict[str, Any] = dataclass_field(default_factory=dict)
     finish: tuple[JobStatus, dict[str, Any]] | None = None
+    call: EndCall | None = None  # what the end also does, in the same script call
 
 
 @dataclass
@@ -65,6 +66,16 @@ class BeginCall:
     script: Script
     args: list[Any]
     answered: Callable[[Any], None]
+
+
+@dataclass
+class EndCall:
+    """The scripts a job's stage ends with instead of the plain ones (``job_scripts.stage_end_scripts``
+    with more Lua after the end), and the ARGV that Lua reads after the end's own."""
+
+    end: Script
+    move_and_end: Script
+    args: list[Any]
 
 
 class JobStore(JobReader):
@@ -322,12 +333,16 @@ class JobStore(JobReader):
                 )
             fields = [part for name, value in end.fields.items() for part in (name, "" if value is None else value)]
             lease = self.key(end.job_id, "lease")
+            end_stage, move_and_end = (
+                (end.call.end, end.call.move_and_end) if end.call else (self._end_stage, self._move_and_end_stage)
+            )
+            then = end.call.args if end.call else []
             if end.finish is None:
-                self._end_stage(keys=[self.key(end.job_id), lease], args=[end.owner, *fields], client=pipe)
+                end_stage(keys=[self.key(end.job_id), lease], args=[end.owner, *fields, *then], client=pipe)
             else:
                 keys, args = self._transition_call(end.job_id, end.finish[0], (), self.finish_fields(**end.finish[1]))
-                self._move_and_end_stage(
-                    keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args, *fields], client=pipe
+                move_and_end(
+                    keys=[*keys, lease], args=[end.owner, len(fields), *fields, *args, *fields, *then], client=pipe
                 )
             at += len(end.blobs)
             positions.append(at)  # the end script's reply follows the job's SETs

@@ -22,11 +22,13 @@ from rollout_service.errors import (
 from rollout_service.runtime.trajectory import TrajectoryBuilder
 from rollout_service.schemas import (
     TERMINAL_STATUSES,
+    BackendSpec,
     FinishReason,
     JobRequest,
     JobStatus,
 )
 from rollout_service.settings import Settings
+from rollout_service.state.backends import BackendPool
 from rollout_service.state.store import JobStore, StageEnd
 
 # stage -> (status it begins from, its own status), as workers/stage.py runs them
@@ -134,6 +136,25 @@ def test_a_job_that_skips_init_begins_run_from_queued_and_gets_an_init_start(job
     )
     assert verdict == "ok" and jobs.status(job_id) == JobStatus.running
     assert "init_start" in jobs.store.fields(job_id)
+
+
+@pytest.mark.parametrize("finish", [None, (JobStatus.completed, {"finish_reason": "finished"})], ids=["on", "ended"])
+def test_a_run_stage_ends_with_its_backend_released_in_the_same_script_and_only_its_own_fields_set(
+    jobs: Jobs, finish: tuple[JobStatus, dict] | None
+):
+    pool = BackendPool(jobs.store.redis, prefix="rollout")
+    pool.register(BackendSpec(url="http://127.0.0.1:9", kind="vllm", model="m"))
+    job_id = jobs.create()
+    jobs.walk_to(job_id, "run")
+    held = pool.acquire(job_id, "m")
+    fields_before = set(jobs.store.fields(job_id))
+    end = StageEnd(job_id, OWNER, {"run_end": time.time()}, finish=finish, call=pool.release_with_end(job_id))
+    (status,) = jobs.store.end_stages([end])
+    assert status == (JobStatus.completed if finish else JobStatus.running)
+    assert pool.backend_of(job_id) is None and pool.get(held.id).live_assignments == 0
+    added = set(jobs.store.fields(job_id)) - fields_before
+    assert added == ({"run_end", "finish_reason", "finished_at"} if finish else {"run_end"})
+    assert not jobs.store.redis.exists(jobs.store.key(job_id, "lease"))
 
 
 @pytest.mark.parametrize("stage", [None, *STAGES], ids=["queued", *STAGES])

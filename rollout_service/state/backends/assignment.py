@@ -20,8 +20,8 @@ from rollout_service.errors import NoBackendAvailable, ValidationError
 from rollout_service.schemas import BackendView
 from rollout_service.state.backends.layout import LUA_KEYS, backend_key, lua_keys, view_of
 from rollout_service.state.connection import as_text, scripts_of
-from rollout_service.state.job_scripts import BEGIN_STAGE_ARGS, BEGIN_STAGE_FUNCTION
-from rollout_service.state.store import BeginCall
+from rollout_service.state.job_scripts import BEGIN_STAGE_ARGS, BEGIN_STAGE_FUNCTION, stage_end_scripts
+from rollout_service.state.store import BeginCall, EndCall
 
 
 class AllBackendsDown(NoBackendAvailable):
@@ -124,21 +124,26 @@ return {begun, answer}
 """.replace("BEGIN_STAGE_ARGS", str(BEGIN_STAGE_ARGS))
 )
 
-_RELEASE = (
-    LUA_KEYS
-    + """
-local job = ARGV[2]
-local job_key = key('job', job)
-local id = redis.call('GET', job_key)
-if not id then return false end
-redis.call('DEL', job_key)
-if redis.call('SREM', key('jobs', id), job) == 1 then
-  local model = redis.call('HGET', key('info', id), 'model')
-  if model then redis.call('ZINCRBY', key('heap', model), -1, id) end
+_RELEASE_FUNCTION = """
+local function release(job)
+  local job_key = key('job', job)
+  local id = redis.call('GET', job_key)
+  if not id then return false end
+  redis.call('DEL', job_key)
+  if redis.call('SREM', key('jobs', id), job) == 1 then
+    local model = redis.call('HGET', key('info', id), 'model')
+    if model then redis.call('ZINCRBY', key('heap', model), -1, id) end
+  end
+  if tonumber(redis.call('HGET', key('calls'), job) or '1') <= 0 then redis.call('HDEL', key('calls'), job) end
+  return id
 end
-if tonumber(redis.call('HGET', key('calls'), job) or '1') <= 0 then redis.call('HDEL', key('calls'), job) end
-return id
 """
+
+_RELEASE = LUA_KEYS + _RELEASE_FUNCTION + "return release(ARGV[2])"
+
+# The stage's end scripts that then release the job's backend: ARGV after the end's own: prefix, job.
+_END_RELEASING, _MOVE_AND_END_RELEASING = stage_end_scripts(
+    lua_keys("last + 1") + _RELEASE_FUNCTION + "release(ARGV[last + 2])", then_args=2
 )
 
 _RECONCILE = (
@@ -183,8 +188,23 @@ class Assignments:
     def __init__(self, redis_client: redis.Redis, prefix: str) -> None:
         self.redis = redis_client
         self.prefix = prefix
-        self._acquire, self._start_call, self._release, self._reconcile, self._begin_run = scripts_of(
-            redis_client, _ACQUIRE, _START_CALL, _RELEASE, _RECONCILE, _BEGIN_RUN
+        (
+            self._acquire,
+            self._start_call,
+            self._release,
+            self._reconcile,
+            self._begin_run,
+            self._end_releasing,
+            self._move_and_end_releasing,
+        ) = scripts_of(
+            redis_client,
+            _ACQUIRE,
+            _START_CALL,
+            _RELEASE,
+            _RECONCILE,
+            _BEGIN_RUN,
+            _END_RELEASING,
+            _MOVE_AND_END_RELEASING,
         )
 
     def backend_of(self, job_id: str) -> str | None:
@@ -231,6 +251,11 @@ class Assignments:
         """The job is done with its backend (a green worker does not wait: its client's next
         call, e.g. the end of the stage, is sent after this one)."""
         fire(self.redis, self._release, args=[self.prefix, job_id])
+
+    def release_with_end(self, job_id: str) -> EndCall:
+        """``release`` made by the script that ends the job's stage (``StageEnd.call``): no script
+        call of its own."""
+        return EndCall(self._end_releasing, self._move_and_end_releasing, [self.prefix, job_id])
 
     def reconcile(self, live_job_ids: Iterable[str]) -> int:
         """Drop assignments of jobs that are not live (leaked by dead workers); recompute every score."""

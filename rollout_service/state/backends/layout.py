@@ -30,8 +30,9 @@ def backend_key(prefix: str, *parts: str) -> str:
     return ":".join((prefix, "backend", *parts))
 
 
-def lua_keys(prefix_at: int) -> str:
-    """The key helpers of the registry's scripts, the prefix read from ARGV[prefix_at]."""
+def lua_keys(prefix_at: int | str) -> str:
+    """The key helpers of the registry's scripts, the prefix read from ARGV[prefix_at] (an index,
+    or a Lua expression of one)."""
     return f"\nlocal p = ARGV[{prefix_at}] .. ':backend:'\n" + _LUA_KEYS_BODY
 
 

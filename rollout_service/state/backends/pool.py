@@ -21,7 +21,7 @@ from rollout_service.state.backends.gates import CallGates
 from rollout_service.state.backends.health import BackendHealth
 from rollout_service.state.backends.registry import BackendRegistry
 from rollout_service.state.backends.weight_sync import WeightSync
-from rollout_service.state.store import BeginCall
+from rollout_service.state.store import BeginCall, EndCall
 
 
 class BackendPool:
@@ -106,6 +106,9 @@ class BackendPool:
 
     def release(self, job_id: str) -> None:
         self.assignments.release(job_id)
+
+    def release_with_end(self, job_id: str) -> EndCall:
+        return self.assignments.release_with_end(job_id)
 
     def reconcile(self, live_job_ids: Iterable[str]) -> int:
         return self.assignments.reconcile(live_job_ids)
