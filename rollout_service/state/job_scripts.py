@@ -38,11 +38,12 @@ TRANSITION = "local last = #ARGV\n" + _MOVE + "return move(1)"
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
 # attempts field, start field, now, end field (a stage that already ended never runs again),
 # a status the stage may also begin from ('' none) and the field stamped then (the run stage of a
-# job that skipped init: it begins from queued and stamps init_start).
+# job that skipped init: it begins from queued and stamps init_start). Returns its answer and the
+# job's fields it read (the 7th: the model of the job's first call).
 BEGIN_STAGE_FUNCTION = """
 local function begin_stage()
   local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8],
-                       ARGV[5])
+                       ARGV[5], 'first_call_model')
   if not f[1] then return {'missing'} end
   local skipped = f[1] == ARGV[9]
   if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
@@ -51,11 +52,11 @@ local function begin_stage()
   local attempts = tonumber(f[6] or '0') + 1
   if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7], ARGV[10], ARGV[7])
   else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7]) end
-  return {'ok', f[3], attempts, f[4] or '0'}
+  return {'ok', f[3], attempts, f[4] or '0'}, f
 end
 """
 BEGIN_STAGE_ARGS = 10  # a script that begins with begin_stage() reads its own ARGV after these
-BEGIN_STAGE = BEGIN_STAGE_FUNCTION + "return begin_stage()"
+BEGIN_STAGE = BEGIN_STAGE_FUNCTION + "local begun = begin_stage()\nreturn begun"
 
 # A stage's end: its lease released, then its fields set: the status after. KEYS: job hash, lease.
 # ARGV: lease owner, then field, value pairs up to ARGV[last].

@@ -112,10 +112,10 @@ _BEGIN_RUN = (
     + lua_keys(BEGIN_STAGE_ARGS + 1)
     + _ACQUIRE_FUNCTION
     + """
-local begun = begin_stage()
+local begun, fields = begin_stage()
 if begun[1] ~= 'ok' then return {begun, false} end
 local job = ARGV[BEGIN_STAGE_ARGS + 2]
-local model = redis.call('HGET', KEYS[1], 'first_call_model')
+local model = fields[7]
 if not model then return {begun, {'later'}} end
 if redis.call('EXISTS', key('paused')) == 1 then return {begun, {'paused'}} end
 local answer = acquire(job, model)
