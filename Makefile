@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck
+APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck valgrind
 TORCH_SPEC ?= torch==2.13.0
 
 VLLM_VENV ?= .venv-vllm

@@ -13,9 +13,12 @@ and Redis's idle housekeeping add.
 from __future__ import annotations
 
 import re
+import shutil
 import socket
+import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlparse
@@ -109,14 +112,27 @@ def _arguments(text: str) -> list[bytes]:
 
 def command_stats(client: redis.Redis) -> dict[str, tuple[int, int]]:
     """command -> (calls, µs) so far, from INFO commandstats; ``cpu`` -> (0, µs of CPU the server's
-    main thread used, from INFO cpu) and ``reads`` -> (read events it processed: round trips, 0)."""
-    stats, cpu, counts = (cast("dict[str, Any]", client.info(part)) for part in ("commandstats", "cpu", "stats"))
+    main thread used, from INFO cpu), ``reads`` -> (read events it processed: round trips, 0) and
+    ``wakeups`` -> (times its main thread went to sleep and woke, from /proc on this machine, 0)."""
+    stats, cpu, counts, server = (
+        cast("dict[str, Any]", client.info(part)) for part in ("commandstats", "cpu", "stats", "server")
+    )
     used_s = cpu["used_cpu_user_main_thread"] + cpu["used_cpu_sys_main_thread"]
     return {
         **{name.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"])) for name, v in stats.items()},
         "cpu": (0, int(used_s * 1e6)),
         "reads": (int(counts["total_reads_processed"]), 0),
+        "wakeups": (_voluntary_switches(int(server["process_id"])), 0),
     }
+
+
+def _voluntary_switches(pid: int) -> int:
+    """How often the main thread of local process ``pid`` slept (0 when it is not on this machine)."""
+    try:
+        status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt_switches"))
 
 
 SCRIPT_COMMANDS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
@@ -131,7 +147,7 @@ def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
         name: (calls - before.get(name, (0, 0))[0], usec - before.get(name, (0, 0))[1])
         for name, (calls, usec) in after.items()
     }
-    cpu_usec, reads = delta.pop("cpu")[1], delta.pop("reads")[0]
+    cpu_usec, reads, wakeups = delta.pop("cpu")[1], delta.pop("reads")[0], delta.pop("wakeups", (0, 0))[0]
     delta = {name: d for name, d in delta.items() if d[0] > 0 and name != "info"}
     top = sorted(delta.items(), key=lambda item: -item[1][1])
     return {
@@ -139,6 +155,7 @@ def redis_cost(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, i
         "usec_per_turn": round(cpu_usec / turns, 2),
         "commandstats_usec_per_turn": round(sum(u for _, u in delta.values()) / turns, 2),
         "round_trips_per_turn": round(reads / turns, 2),
+        "wakeups_per_turn": round(wakeups / turns, 2),
         "script_calls_per_turn": round(sum(delta.get(name, (0, 0))[0] for name in SCRIPT_COMMANDS) / turns, 2),
         "top": {name: {"calls": c, "usec": u} for name, (c, u) in top},
     }
@@ -179,6 +196,62 @@ def _replay_once(
             client.close()
             server.stop()
     return cost["usec_per_turn"], sent, dict(list(cost["top"].items())[:12])
+
+
+def instructions(path: Path, turns: int, batch: int = REPLAY_BATCH) -> dict[str, Any]:
+    """The window's commands replayed once into a Redis run under valgrind's callgrind: the
+    instructions its process executed per turn (commands, scripts, client I/O, the AOF; no timing
+    noise, no cache misses) and the functions with the most of them (inclusive)."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_annotate") is None:
+        raise RuntimeError("--replay-instructions needs valgrind (apt-get install valgrind)")
+    commands, start, end = parse(path)
+    with tempfile.TemporaryDirectory(prefix="bench-callgrind-") as tmp:
+        server = RedisServer(Path(tmp))
+        out = Path(tmp) / "callgrind.out"
+        process = server.launch(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *server.command()],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(server.url)
+        try:
+            server.wait_ready(120)
+            _play(client, commands[:start], REPLAY_BATCH)
+            time.sleep(1)  # the AOF's and the cron's catching up stay out of the window
+            subprocess.run(["callgrind_control", "--zero", str(process.pid)], check=True, capture_output=True)
+            _play(client, commands[start:end], batch)
+            subprocess.run(["callgrind_control", "--dump", str(process.pid)], check=True, capture_output=True)
+        finally:
+            client.close()
+            process.terminate()
+            process.wait(60)
+        dump = next(p for p in sorted(Path(tmp).glob("callgrind.out.*")) if p.stat().st_size)
+        annotated = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", str(dump)], check=True, capture_output=True, text=True
+        ).stdout
+    total = int(re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", annotated).group(1).replace(",", ""))  # type: ignore[union-attr]
+    top = {
+        name: int(count.replace(",", "")) // turns
+        for count, name in re.findall(r"^\s*([\d,]+) \(\s*[\d.]+%\)\s+\?\?\?:(\w+) \[", annotated, re.M)
+        if name in _COMMAND_PARTS
+    }
+    return {"instructions_per_turn": total // turns, "by_part": top}
+
+
+# the server's functions whose inclusive instructions tell where a turn's go
+_COMMAND_PARTS = (
+    "evalShaCommand",
+    "execCommand",
+    "feedAppendOnlyFile",
+    "readQueryFromClient",
+    "processMultibulkBuffer",
+    "hmgetCommand",
+    "hsetCommand",
+    "setCommand",
+    "getCommand",
+    "lpFind",
+    "serverCron",
+)
 
 
 def _play(client: redis.Redis, commands: list[list[bytes]], batch: int) -> int:

@@ -39,6 +39,7 @@ from bench.redis_replay import (  # noqa: E402
     WINDOW_START,
     Recorder,
     command_stats,
+    instructions,
     mark,
     redis_cost,
     replay,
@@ -424,6 +425,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     server.stop()
         if recorder is not None:
             again = replay(recorder.path, args.rollouts * args.turns, batch=args.replay_batch)
+            if args.replay_instructions:
+                again["instructions"] = instructions(recorder.path, args.rollouts * args.turns, args.replay_batch)
             trips = rounds[0]["redis_per_turn"]["state"]["round_trips_per_turn"] * args.rollouts * args.turns
             again["stack_commands_per_round_trip"] = round(again["commands"] / max(trips, 1), 1)
             rounds[0]["redis_replay"] = again
@@ -627,6 +630,12 @@ def report(r: dict[str, Any], round_number: int) -> None:
             f"{again['stack_commands_per_round_trip']} per round trip; the recording (MONITOR) slowed the stack and its "
             "Redis: quote their figures from a run without --replay"
         )
+        if "instructions" in again:
+            counted = again["instructions"]
+            print(
+                f"  replayed under callgrind: {counted['instructions_per_turn']:,} instructions of Redis per turn "
+                f"(inclusive, per turn: {counted['by_part']})"
+            )
     for name, cost in r["redis_per_turn"].items():
         top = ", ".join(f"{c} {v['calls']}" for c, v in list(cost["top"].items())[:8])
         print(
@@ -685,7 +694,7 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
 
             def sample() -> tuple[float, int, int]:
                 stats = command_stats(admin)
-                calls = sum(c for name, (c, _) in stats.items() if name not in ("cpu", "reads", "info"))
+                calls = sum(c for name, (c, _) in stats.items() if name not in ("cpu", "reads", "wakeups", "info"))
                 return stats["cpu"][1], calls, stats["reads"][0]
 
             def each(step: Any) -> None:
@@ -720,10 +729,6 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
                     pool.check_call_soon(job_id, JobStore.key(job_id))()
                     version()
 
-            def release() -> None:
-                each(pool.release)
-                store.redis.ping()  # after the released ones, which nothing waits for
-
             finished = Increments()  # the ended jobs' metrics, written together as a run worker gathers them
 
             def end(job_id: str) -> None:
@@ -736,6 +741,7 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
                             fields={"run_end": now, "finish_reason": "finished"},
                             blobs={"trajectory": trajectory, "result": {"artifact": {"answer": "4"}}},
                             finish=(JobStatus.completed, {"reward": 1.0, "eval_start": now, "eval_end": now}),
+                            call=pool.release_with_end(job_id),
                         )
                     ],
                     finished,
@@ -759,8 +765,7 @@ def redis_steps(rollouts: int, turns: int) -> dict[str, Any]:
                 ("run stage begin with the first call", lambda: each(begin)),
                 ("first call end", lambda: each(first_call_end)),
                 (f"{turns - 1} later calls", lambda: each(later_calls)),
-                ("backend release", release),
-                ("stage end and its metrics", end_all),
+                ("stage end with the backend's release, and the metrics", end_all),
                 ("trainer's wait", wait),
             ):
                 before = sample()
@@ -846,6 +851,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--replay-batch", type=int, default=200, help="with --replay: commands per pipeline of the replay"
+    )
+    parser.add_argument(
+        "--replay-instructions",
+        action="store_true",
+        help="with --replay: replay the round once more under valgrind's callgrind: instructions per turn "
+        "(no timing noise)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

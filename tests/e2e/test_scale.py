@@ -140,13 +140,12 @@ def test_bench_redis_steps_prices_each_step_of_a_job_on_a_fresh_redis() -> None:
         "run stage begin with the first call",
         "first call end",
         "2 later calls",
-        "backend release",
-        "stage end and its metrics",
+        "stage end with the backend's release, and the metrics",
         "trainer's wait",
     ]
     assert all(step["usec_per_job"] > 0 for step in steps.values()), steps
     commands = {name: step["commands_per_job"] for name, step in steps.items()}
-    assert commands["run stage begin with the first call"] == 17  # a script (15 commands inside) and an MGET
+    assert commands["run stage begin with the first call"] == 16  # a script (14 commands inside) and an MGET
     assert commands["first call end"] == 2 and commands["2 later calls"] == 6  # after each call: one round trip
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
@@ -157,7 +156,7 @@ def test_bench_replay_records_the_commands_clients_sent_byte_for_byte_and_replay
     marked window is measured."""
     import redis
 
-    from bench.redis_replay import NOT_REPLAYED, WINDOW_END, WINDOW_START, Recorder, mark, parse, replay
+    from bench.redis_replay import NOT_REPLAYED, WINDOW_END, WINDOW_START, Recorder, instructions, mark, parse, replay
     from rollout_service.devtools.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis", disabled_commands=()).start()
@@ -185,3 +184,5 @@ def test_bench_replay_records_the_commands_clients_sent_byte_for_byte_and_replay
     replayed = replay(tmp_path / "monitor", turns=1, repeats=1)
     assert replayed["commands"] == 3 and replayed["usec_per_turn"] > 0
     assert {"set", "eval", "hset", "incr"} <= set(replayed["top"])
+    counted = instructions(tmp_path / "monitor", turns=1)
+    assert counted["instructions_per_turn"] > 0 and 0 < counted["by_part"]["readQueryFromClient"]
