@@ -95,11 +95,6 @@ class TLSFiles:
                 )
 
 
-# A job's hash grows to some 40 fields, each read and written by name: as a hash table, not a listpack
-# scanned field by field, it costs Redis fewer instructions per turn (and about 2 KB more per job).
-HASH_MAX_LISTPACK_ENTRIES = 8
-
-
 class RedisServer:
     """A redis-server child process with AOF on and ``noeviction`` (broker keys must never be evicted).
 
@@ -165,7 +160,6 @@ class RedisServer:
             "protected-mode yes",
             f'dir "{self.data_dir}"',
             "maxmemory-policy noeviction",
-            f"hash-max-listpack-entries {HASH_MAX_LISTPACK_ENTRIES}",
             f"appendonly {'yes' if self.appendonly else 'no'}",
             "appendfsync everysec",
             'save ""',

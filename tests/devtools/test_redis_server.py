@@ -31,14 +31,6 @@ def test_commands_that_reconfigure_or_wipe_the_server_are_disabled(private_redis
             client.execute_command(*command)
 
 
-def test_a_job_record_is_a_hash_table_and_a_small_hash_stays_compact(private_redis: RedisServer):
-    client = redis.Redis.from_url(private_redis.url)
-    client.hset("rollout:job:j", mapping={f"field_{i}": i for i in range(12)})
-    client.hset("rollout:backend:info:b", mapping={"url": "http://x", "healthy": 1})
-    assert client.object("encoding", "rollout:job:j") == b"hashtable"
-    assert client.object("encoding", "rollout:backend:info:b") == b"listpack"
-
-
 def test_the_password_is_in_no_command_line_and_every_file_is_private(private_redis: RedisServer):
     client = redis.Redis.from_url(private_redis.url)
     client.set("ground-truth", "42")
