@@ -18,7 +18,7 @@ import redis
 from celery.signals import worker_ready
 
 from rollout_service.errors import StoreUnavailable
-from rollout_service.schemas import TERMINAL_STATUSES, JobStatus
+from rollout_service.schemas import JobStatus
 from rollout_service.settings import get_settings
 from rollout_service.state.backends import BackendPool
 from rollout_service.state.connection import broker_client
@@ -30,6 +30,7 @@ from workers.stage import STAGE_STATUS, job_store
 log = logging.getLogger(__name__)
 LOCK_KEY = "rollout:housekeeping:lock"
 LOST_SCAN_KEY = "rollout:housekeeping:lost-message-scan"
+RECONCILE_KEY = "rollout:housekeeping:reconcile"
 STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()}
 
 
@@ -40,7 +41,7 @@ def housekeeping() -> dict[str, Any]:
     pool = BackendPool(store.redis)
     report = {
         "recovered_jobs": recover_orphans(store),
-        "leaked_assignments": pool.reconcile(store.live_jobs()),
+        "leaked_assignments": reconcile_assignments(store, pool),
         "health": pool.probe(),
         "expired_index_entries": store.trim_job_index(),
     }
@@ -48,22 +49,23 @@ def housekeeping() -> dict[str, Any]:
     return report
 
 
-ENDED = {status.value.encode() for status in TERMINAL_STATUSES}
+def reconcile_assignments(store: JobStore, pool: BackendPool) -> int | None:
+    """Drop the backend assignments that dead workers leaked, at most once per lease TTL (it reads
+    every live job's assignment; a leak only skews the load heap until then). None when not due."""
+    if not store.redis.set(RECONCILE_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
+        return None
+    return pool.reconcile(store.live_jobs())
 
 
 def remove_ended_workspaces(store: JobStore) -> list[str]:
-    """Delete the workspaces (under this node's state dir) of jobs that ended or expired: nothing
-    of a job outlives it on disk. Returns their job ids."""
+    """Delete the workspaces (under this node's state dir) of jobs that ended or expired (no longer
+    in the live set): nothing of a job outlives it on disk. Returns their job ids."""
     root = store.settings.workspaces_path
     try:
         job_ids = [entry.name for entry in os.scandir(root) if entry.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
-    with store.redis.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            pipe.hget(store.key(job_id), "status")
-        statuses = pipe.execute() if job_ids else []
-    ended = [job_id for job_id, status in zip(job_ids, statuses) if status is None or status in ENDED]
+    ended = [job_id for job_id, live in zip(job_ids, store.are_live(job_ids)) if not live]
     for job_id in ended:
         shutil.rmtree(root / job_id, ignore_errors=True)
     return ended
@@ -91,17 +93,21 @@ def recover_orphans(store: JobStore) -> list[str]:
     """
     now = time.time()
     patience_s = store.settings.lease_ttl_s * 2
-    job_ids = sorted(store.live_jobs())
-    pipe = store.redis.pipeline(transaction=False)
-    for job_id in job_ids:
-        pipe.hmget(store.key(job_id), list(ORPHAN_FIELDS))
-        pipe.exists(store.key(job_id, "lease"))
-    replies = pipe.execute()
+    live = sorted(store.live_jobs())
+    with store.redis.pipeline(transaction=False) as pipe:  # a job under a lease has a live worker
+        for job_id in live:
+            pipe.exists(store.key(job_id, "lease"))
+        leased = pipe.execute() if live else []
+    job_ids = [job_id for job_id, held in zip(live, leased) if not held]
+    with store.redis.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.hmget(store.key(job_id), list(ORPHAN_FIELDS))
+        replies = pipe.execute() if job_ids else []
     crashed: dict[str, tuple[str, str]] = {}  # job -> (stage, its delivery count)
     unsent: dict[str, str] = {}
-    for job_id, values, leased in zip(job_ids, replies[::2], replies[1::2]):
+    for job_id, values in zip(job_ids, replies):
         fields = {name: value.decode() for name, value in zip(ORPHAN_FIELDS, values) if value is not None}
-        waiting = None if leased or "status" not in fields else waiting_stage(fields)
+        waiting = None if "status" not in fields else waiting_stage(fields)
         if waiting is None or now - waiting[1] < patience_s:
             continue
         stage, _, started = waiting

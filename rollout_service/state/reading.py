@@ -207,6 +207,12 @@ class JobReader:
     def live_jobs(self) -> set[str]:
         return {j.decode() for j in self._call(self.redis.smembers, LIVE_JOBS)}
 
+    def are_live(self, job_ids: list[str]) -> list[bool]:
+        """Whether each job is live (created and not ended), in one command."""
+        if not job_ids:
+            return []
+        return [bool(member) for member in self._call(self.redis.smismember, LIVE_JOBS, job_ids)]
+
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return call_redis(fn, *args, **kwargs)
 

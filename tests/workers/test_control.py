@@ -8,12 +8,15 @@ import time
 import uuid
 from collections.abc import Callable
 
+import redis
+
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus
 from rollout_service.sdk.client import RolloutClient
 from rollout_service.settings import Settings
 from rollout_service.state.store import JobStore
 from tests.fixtures_service import Service
 from tests.helpers import math_task, server_log, tool_call
+from workers import control
 
 DEAD_LEASE_S = 1  # the dead workers' leases lapse at once
 
@@ -94,3 +97,32 @@ def test_the_control_worker_accepts_a_batchs_group_once_its_members_end_and_comp
 
     assert [r.reward for r in group.rollouts] == [1.0, 1.0]
     assert (view.status.value, view.reason, view.accepted, view.in_flight) == ("completed", "target_reached", 1, 0)
+
+
+def test_housekeeping_removes_the_workspaces_of_ended_and_unknown_jobs_and_keeps_the_live_ones(
+    redis_client: redis.Redis, redis_url: str, tmp_path
+) -> None:
+    store = JobStore(redis_client, Settings(redis_url=redis_url, state_dir=str(tmp_path)), on_finished=[])
+    live, ended = (store.create_jobs(JobRequest.model_validate({"task": math_task("1+1")}))[0][0] for _ in range(2))
+    store.finish(ended, JobStatus.failed, RuntimeError("gone"))
+    for job_id in (live, ended, "job-never-existed"):
+        (store.settings.workspaces_path / job_id).mkdir(parents=True)
+
+    assert sorted(control.remove_ended_workspaces(store)) == sorted([ended, "job-never-existed"])
+    assert [p.name for p in store.settings.workspaces_path.iterdir()] == [live]
+
+
+def test_housekeeping_reads_the_fields_of_live_jobs_without_a_lease_only(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    store = JobStore(redis_client, Settings(redis_url=redis_url), on_finished=[])
+    running, waiting = (
+        store.create_jobs(JobRequest.model_validate({"task": math_task("1+1")}))[0][0] for _ in range(2)
+    )
+    store.begin_stages([running], "init", JobStatus.queued, JobStatus.initializing, "a-live-worker")
+    unleased = [job_id for job_id in store.live_jobs() if not redis_client.exists(store.key(job_id, "lease"))]
+    before = redis_client.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)
+
+    assert control.recover_orphans(store) == []  # neither waited two lease TTLs
+    assert redis_client.info("commandstats")["cmdstat_hmget"]["calls"] - before == len(unleased)
+    assert waiting in unleased and running not in unleased
