@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 LOCK_KEY = "rollout:housekeeping:lock"
 LOST_SCAN_KEY = "rollout:housekeeping:lost-message-scan"
 RECONCILE_KEY = "rollout:housekeeping:reconcile"
+ORPHAN_SCAN_KEY = "rollout:housekeeping:orphan-scan"
 STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()}
 
 
@@ -39,9 +40,10 @@ def housekeeping() -> dict[str, Any]:
     """Cluster-wide bookkeeping; one control worker runs it per interval."""
     store = job_store()
     pool = BackendPool(store.redis)
+    lease_ttl_s = store.settings.lease_ttl_s
     report = {
-        "recovered_jobs": recover_orphans(store),
-        "leaked_assignments": reconcile_assignments(store, pool),
+        "recovered_jobs": recover_orphans(store) if _due(store, ORPHAN_SCAN_KEY, lease_ttl_s / 4) else [],
+        "leaked_assignments": pool.reconcile(store.live_jobs()) if _due(store, RECONCILE_KEY, lease_ttl_s) else None,
         "health": pool.probe(),
         "expired_index_entries": store.trim_job_index(),
     }
@@ -49,12 +51,11 @@ def housekeeping() -> dict[str, Any]:
     return report
 
 
-def reconcile_assignments(store: JobStore, pool: BackendPool) -> int | None:
-    """Drop the backend assignments that dead workers leaked, at most once per lease TTL (it reads
-    every live job's assignment; a leak only skews the load heap until then). None when not due."""
-    if not store.redis.set(RECONCILE_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
-        return None
-    return pool.reconcile(store.live_jobs())
+def _due(store: JobStore, key: str, every_s: float) -> bool:
+    """True at most once per ``every_s`` across the cluster's control workers: the orphan scan and the
+    reconcile read every live job (a lease, an assignment), while a lost stage waits two lease TTLs
+    and a leaked assignment only skews the load heap."""
+    return bool(store.redis.set(key, "1", nx=True, px=max(int(every_s * 1000), 1)))
 
 
 def remove_ended_workspaces(store: JobStore) -> list[str]:
@@ -87,6 +88,8 @@ def recover_orphans(store: JobStore) -> list[str]:
     - its message is gone (queued, or between two stages, and no queue or unacked entry carries
       it): kombu's Redis transport loses a message it popped if the broker connection fails
       before it records the message as unacked.
+
+    Housekeeping runs it at most every quarter lease TTL: it reads every live job's lease.
 
     A stage counts as lost after two lease TTLs; a late duplicate is harmless, the stage's own
     checks (status, lease, stage end, delivery count) skip it.
