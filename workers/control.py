@@ -52,9 +52,9 @@ def housekeeping() -> dict[str, Any]:
 
 
 def _due(store: JobStore, key: str, every_s: float) -> bool:
-    """True at most once per ``every_s`` across the cluster's control workers: the orphan scan and the
-    reconcile read every live job (a lease, an assignment), while a lost stage waits two lease TTLs
-    and a leaked assignment only skews the load heap."""
+    """True at most once per ``every_s`` across the cluster's control workers, for the sweeps that
+    read every live job or queued message (a lost stage waits two lease TTLs anyway, and a leaked
+    assignment only skews the load heap)."""
     return bool(store.redis.set(key, "1", nx=True, px=max(int(every_s * 1000), 1)))
 
 
@@ -120,7 +120,7 @@ def recover_orphans(store: JobStore) -> list[str]:
             unsent[job_id] = stage
     lost: dict[str, str] = {}
     # the broker scan reads every queued message: at most once per lease TTL, however deep the backlog
-    if unsent and store.redis.set(LOST_SCAN_KEY, "1", nx=True, ex=max(int(store.settings.lease_ttl_s), 1)):
+    if unsent and _due(store, LOST_SCAN_KEY, store.settings.lease_ttl_s):
         present = dispatch.messages_present(
             broker_client(store.redis), [dispatch.stage_mark(j, s) for j, s in unsent.items()]
         )

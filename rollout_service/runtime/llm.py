@@ -355,7 +355,8 @@ class PooledLLM:
                 CANCELS.unwatch(abort, self.job_key)
 
     def release_with_end(self) -> EndCall:
-        """``release``, made by the script that ends the job's stage (``StageContext.end_call``)."""
+        """The job's backend, released by the script that ends its stage (``StageContext.end_call``);
+        a first call granted but never made is ended and undone now."""
         self._drop_first_call()
         return self.pool.release_with_end(self.job_id)
 
