@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import redis
+
 
 class RolloutError(Exception):
     http_status: int = 500
@@ -55,6 +57,16 @@ class Conflict(RolloutError):
 class StoreUnavailable(RolloutError):
     http_status = 503
     code = "store_unavailable"
+
+
+# The state store away (restarting, failing over, not answering): never a job's failure. A worker
+# waits it out, then leaves the job to another delivery; the gateway answers 503.
+STORE_OUTAGE: tuple[type[Exception], ...] = (
+    StoreUnavailable,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ReadOnlyError,
+)
 
 
 class BackendError(RolloutError):

@@ -24,7 +24,8 @@ class Settings:
     broker_url: str = ""  # Celery's queues on a Redis of their own; empty: the same Redis as redis_url
     redis_socket_timeout_s: float = 10.0  # a Redis command's answer (then retried); above any single command, blocking reads stay shorter
     redis_connect_timeout_s: float = 3.0  # connecting to Redis (retried like a command)
-    redis_retries: int = 3  # per command, exponential backoff, on connection errors and timeouts
+    redis_retries: int = 3  # per command, exponential backoff, on connection errors and timeouts (at least this many tries)
+    redis_outage_wait_s: float = 120.0  # a worker's Redis command rides out a Redis restart or failover this long (backoff up to 1 s) before its stage leaves the job to recovery
     state_dir: str = "./.rollout"  # the embedded Redis, logs, models, workspaces, harness environments
     bind_host: str = "127.0.0.1"  # gateway and Flower; 0.0.0.0 serves every interface (set ROLLOUT_API_TOKEN then)
     port: int = 8006  # the gateway's port

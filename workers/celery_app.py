@@ -63,7 +63,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         broker_transport_options={"visibility_timeout": visibility_s},
         result_backend_transport_options={"visibility_timeout": visibility_s},
         broker_connection_retry_on_startup=True,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # a broker restart leaves running stages alone: their leases keep a redelivered message from
+        # running them twice, and their jobs' records, not the broker, say what is done
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         task_serializer="json",
         accept_content=["json"],
         task_default_queue="control",

@@ -12,7 +12,7 @@ import shutil
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery.signals import worker_ready
@@ -22,6 +22,7 @@ from rollout_service.schemas import JobStatus
 from rollout_service.settings import get_settings
 from rollout_service.state.backends import BackendPool
 from rollout_service.state.connection import broker_client
+from rollout_service.state.keys import recovery_field
 from rollout_service.state.store import JobStore
 from workers import dispatch
 from workers.celery_app import app
@@ -32,6 +33,7 @@ LOCK_KEY = "rollout:housekeeping:lock"
 LOST_SCAN_KEY = "rollout:housekeeping:lost-message-scan"
 RECONCILE_KEY = "rollout:housekeeping:reconcile"
 ORPHAN_SCAN_KEY = "rollout:housekeeping:orphan-scan"
+UNLEASED_KEY = "rollout:housekeeping:unleased"  # job -> when a scan first found its begun stage without a lease
 STAGE_OF_STATUS = {status.value: stage for stage, status in STAGE_STATUS.items()}
 
 
@@ -91,8 +93,11 @@ def recover_orphans(store: JobStore) -> list[str]:
 
     Housekeeping runs it at most every quarter lease TTL: it reads every live job's lease.
 
-    A stage counts as lost after two lease TTLs; a late duplicate is harmless, the stage's own
-    checks (status, lease, stage end, delivery count) skip it.
+    A stage counts as lost after two lease TTLs; a begun stage, once two scans at least a lease TTL
+    apart found it without a lease (a live holder takes a lease that lapsed while Redis was away
+    again within a third of that). The re-sent stage is marked as that delivery's recovery: only
+    it may take the stage over (``JobStore.begin_stages``). A late duplicate is harmless, the
+    stage's own checks (status, lease, stage end, delivery count) skip it.
     """
     now = time.time()
     patience_s = store.settings.lease_ttl_s * 2
@@ -118,6 +123,7 @@ def recover_orphans(store: JobStore) -> list[str]:
             crashed[job_id] = (stage, fields.get(f"attempts_{stage}", "0"))
         else:
             unsent[job_id] = stage
+    crashed = seen_unleased_twice(store, crashed, now)
     lost: dict[str, str] = {}
     # the broker scan reads every queued message: at most once per lease TTL, however deep the backlog
     if unsent and _due(store, LOST_SCAN_KEY, store.settings.lease_ttl_s):
@@ -125,11 +131,9 @@ def recover_orphans(store: JobStore) -> list[str]:
             broker_client(store.redis), [dispatch.stage_mark(j, s) for j, s in unsent.items()]
         )
         lost = {j: s for j, s in unsent.items() if dispatch.stage_mark(j, s) not in present}
-    claims = {  # once per delivery for a dead worker: its message stays unacked for hours
-        **{
-            j: (s, f"recovery:{s}:{attempts}", store.settings.job_ttl_s, "worker")
-            for j, (s, attempts) in crashed.items()
-        },
+    claims = {  # once per delivery for a dead worker (its message stays unacked for hours), again
+        # should the message that recovers it be lost too
+        **{j: (s, f"recovery:{s}:{attempts}", int(patience_s * 2), "worker") for j, (s, attempts) in crashed.items()},
         # a lost message: the broker holds the new one from now on, so the next scan sees it
         **{j: (s, f"recovery:{s}:lost", int(patience_s) + 1, "message") for j, s in lost.items()},
     }
@@ -139,10 +143,29 @@ def recover_orphans(store: JobStore) -> list[str]:
         # leave a claim that outlives a message it never got (the job would wait forever)
         if store.redis.set(store.key(job_id, claim), "1", nx=True, ex=int(patience_s) + 1):
             log.warning("job %s lost its %s %s; re-enqueueing from %s", job_id, stage, what, stage)
+            if job_id in crashed:
+                store.set_fields(job_id, **{recovery_field(stage): crashed[job_id][1]})
             dispatch.enqueue_from(job_id, stage)
             store.redis.expire(store.key(job_id, claim), ttl_s)
             recovered.append(job_id)
     return recovered
+
+
+def seen_unleased_twice(store: JobStore, crashed: dict[str, tuple[str, str]], now: float) -> dict[str, tuple[str, str]]:
+    """Those of ``crashed`` (begun stages without a lease) an earlier scan, a lease TTL ago at
+    least, found so too; the others are remembered for the next scans."""
+    recorded = cast(dict[bytes, bytes], store.redis.hgetall(UNLEASED_KEY))
+    seen = {job_id.decode(): float(at) for job_id, at in recorded.items()}
+    with store.redis.pipeline(transaction=False) as pipe:
+        gone = [job_id for job_id in seen if job_id not in crashed]
+        new = {job_id: now for job_id in crashed if job_id not in seen}
+        if gone:
+            pipe.hdel(UNLEASED_KEY, *gone)
+        if new:
+            pipe.hset(UNLEASED_KEY, mapping=new)
+        pipe.execute()
+    ttl_s = store.settings.lease_ttl_s
+    return {job_id: found for job_id, found in crashed.items() if now - seen.get(job_id, now) >= ttl_s}
 
 
 def waiting_stage(fields: dict[str, str]) -> tuple[str, float, bool] | None:

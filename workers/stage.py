@@ -24,7 +24,14 @@ from typing import Any
 
 from celery.worker import state as worker_state
 
-from rollout_service.errors import DeadlineExceeded, NotFound, RedeliveryLimit, RolloutError, SandboxError
+from rollout_service.errors import (
+    STORE_OUTAGE,
+    DeadlineExceeded,
+    NotFound,
+    RedeliveryLimit,
+    RolloutError,
+    SandboxError,
+)
 from rollout_service.schemas import TERMINAL_STATUSES, FinishReason, JobStatus
 from rollout_service.settings import Settings, get_settings
 from rollout_service.state.codec import unpack
@@ -86,23 +93,24 @@ def job_store() -> JobStore:
     store = _stores.get(os.getpid())
     if store is None or store.settings is not settings:
         store = _stores[os.getpid()] = JobStore(
-            redis_client(settings), settings, on_finished=[dispatch.announce_batch_member_done]
+            redis_client(settings, ride_out_outages=True), settings, on_finished=[dispatch.announce_batch_member_done]
         )
     return store
 
 
 class LeaseKeeper:
-    """Renews the leases of every stage running in this process, all in one round trip."""
+    """Renews the leases of every stage running in this process, all in one round trip; a lease
+    that lapsed while Redis was away is taken again."""
 
     def __init__(self) -> None:
-        self.held: dict[str, str] = {}
+        self.held: dict[str, tuple[str, str, JobStatus]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = 0
 
-    def hold(self, job_id: str, owner: str) -> None:
+    def hold(self, job_id: str, owner: str, stage: str) -> None:
         with self._lock:
-            self.held[job_id] = owner
+            self.held[job_id] = (owner, stage, STAGE_STATUS[stage])
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._renew_forever, name="lease-keeper", daemon=True)
@@ -117,12 +125,16 @@ class LeaseKeeper:
         while True:
             time.sleep(store.settings.lease_ttl_s / 3)
             with self._lock:
-                owners = dict(self.held)
-            if owners:
+                held = dict(self.held)
+            if held:
                 try:
-                    store.renew_leases(owners)
-                except Exception:  # a Redis blip: the next round tries again
-                    log.warning("could not renew %d leases", len(owners), exc_info=True)
+                    lost = store.renew_leases(held)
+                except Exception:  # Redis is away: the next round tries again (and takes lapsed leases again)
+                    log.warning("could not renew %d leases", len(held), exc_info=True)
+                    continue
+                for job_id in lost:
+                    if job_id in self.held:
+                        log.error("job %s: another delivery took its stage over; this one's end is ignored", job_id)
 
 
 leases = LeaseKeeper()
@@ -157,7 +169,7 @@ def stage(
     if verdict == "leased":  # a live duplicate; should its holder die, housekeeping re-sends the stage
         raise SkipStage(f"job {job_id} is in {name} under another worker's lease")
     deadline_at, attempts, rollout_index = float(values[0]), int(values[1]), int(values[2] or 0)
-    leases.hold(job_id, owner)
+    leases.hold(job_id, owner, name)
     ctx = StageContext(job_id, name, store, settings, deadline_at, attempts, rollout_index, blobs)
     end: StageEnd | None = StageEnd(job_id, owner)
     try:
@@ -173,6 +185,9 @@ def stage(
         yield ctx
         assert end is not None
         end.fields, end.blobs, end.finish = {f"{name}_end": time.time(), **ctx.end_fields}, ctx.results, ctx.finish_as
+    except STORE_OUTAGE as exc:
+        end = None
+        after_store_outage(ctx, owner, exc)
     except DeadlineExceeded as exc:
         store.finish(job_id, JobStatus.timed_out, exc, finish_reason=FinishReason.deadline.value)
     except SandboxError as exc:
@@ -193,6 +208,33 @@ def stage(
         if end is not None:
             end.call = ctx.end_call
             ended.append(end)
+
+
+def after_store_outage(ctx: StageContext, owner: str, exc: Exception) -> None:
+    """Redis stayed away longer than a worker's commands wait (``redis_outage_wait_s``): the job
+    is not failed for it. Once Redis answers, the stage gives the job back to its queue for another
+    delivery; if the job's deadline passed meanwhile, it ends ``timed_out`` naming the store. Should
+    Redis go away again, housekeeping finds the job later."""
+    log.warning("job %s left to another delivery of %s: the state store is away (%s)", ctx.job_id, ctx.stage, exc)
+    store = ctx.store
+    while True:
+        try:
+            store.redis.ping()
+            break
+        except STORE_OUTAGE:
+            if ctx.remaining_s() <= 0:
+                return
+    try:
+        if ctx.remaining_s() <= 0:
+            reason = DeadlineExceeded(
+                f"the job's deadline passed while the state store (Redis) was unreachable during {ctx.stage}: {exc}"
+            )
+            store.finish(ctx.job_id, JobStatus.timed_out, reason, finish_reason=FinishReason.deadline.value)
+            return
+        store.hand_back(ctx.job_id, ctx.stage, owner, ctx.attempt)
+        dispatch.enqueue_from(ctx.job_id, ctx.stage)
+    except Exception:  # away again: housekeeping finds the job once its lease lapses
+        log.warning("job %s: left to housekeeping", ctx.job_id, exc_info=True)
 
 
 def mark_trajectory_cancelled(store: JobStore, job_id: str, trajectory: dict[str, Any] | None) -> None:
@@ -244,6 +286,8 @@ def run_stage_jobs(
                 body(ctx)
         except SkipStage as reason:
             log.info("%s", reason)
+        except STORE_OUTAGE:  # recording a failure met Redis away: the job is left to housekeeping
+            log.warning("job %s left to housekeeping: the state store is away", job_id, exc_info=True)
         if end_each:
             statuses += store.end_stages(ended[len(statuses) :], finished)
     statuses += store.end_stages(ended[len(statuses) :], finished)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rollout_service.concurrency.green import green_process, in_background, wait_ready
-from rollout_service.errors import SandboxError
+from rollout_service.errors import STORE_OUTAGE, SandboxError
 from rollout_service.sandbox.processes import (
     kill_tree,
     make_scratch_dir,
@@ -401,6 +401,8 @@ class ServerSandbox:
 
         try:
             register(self.redis, self)
+        except STORE_OUTAGE:  # the state store is away: the job waits for another delivery, it did not fail
+            raise
         except Exception as exc:  # an unregistered sandbox could outlive its worker unseen
             raise SandboxError(
                 f"could not register sandbox {self.sandbox_id} in Redis ({exc}); check that Redis is reachable"

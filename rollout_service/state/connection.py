@@ -4,6 +4,7 @@ registered once per client, and Redis errors turned into ``StoreUnavailable``.""
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,42 @@ from redis.retry import Retry
 
 from rollout_service.concurrency.autopipeline import AutoPipelineRedis, ScriptLoadingRedis
 from rollout_service.concurrency.green import green_process
-from rollout_service.errors import ConfigError, StoreUnavailable
+from rollout_service.errors import STORE_OUTAGE, ConfigError, StoreUnavailable
 from rollout_service.settings import Settings, get_settings
 
-TRANSIENT_REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+TRANSIENT_REDIS_ERRORS = tuple(e for e in STORE_OUTAGE if e is not StoreUnavailable)
+BACKOFF_CAP_S = 1.0
+
+
+class OutageRetry(Retry):
+    """redis-py's retry, ``retries`` times at least and for ``outage_s`` seconds at most after the
+    first failure: a restart (connection refused, then LOADING while it reads its AOF) or a Sentinel
+    failover (a replica answering READONLY) is waited out where the command was issued."""
+
+    def __init__(self, retries: int, outage_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), retries, TRANSIENT_REDIS_ERRORS)
+        self.outage_s = outage_s
+
+    def call_with_retry(
+        self,
+        do: Callable[[], Any],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> Any:
+        failures, since = 0, 0.0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                since = since or time.monotonic()
+                fail(error, failures) if with_failure_count else fail(error)
+                if failures > self._retries and time.monotonic() - since >= self.outage_s:
+                    raise
+                time.sleep(self._backoff.compute(failures))
 
 
 def _remember_redis_version() -> None:
@@ -44,9 +77,12 @@ def resolve_redis_url(settings: Settings) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, retries: int) -> redis.Redis:
-    """One client per process and URL that rides out a Redis blip: deliberate timeouts, every
-    command retried ``retries`` times with exponential backoff on connection errors and timeouts.
+def _client_for(
+    url: str, socket_timeout_s: float, connect_timeout_s: float, retries: int, outage_s: float = 0.0
+) -> redis.Redis:
+    """One client per process and URL that rides out a Redis restart: deliberate timeouts, every
+    command retried ``retries`` times at least, and for ``outage_s``, with exponential backoff on
+    connection errors and timeouts (``OutageRetry``).
     Its pool blocks when all connections are busy (hundreds of episodes share a few dozen
     connections) instead of failing with "Too many connections"."""
     settings = get_settings()
@@ -58,8 +94,8 @@ def _client_for(url: str, socket_timeout_s: float, connect_timeout_s: float, ret
         **({} if url.startswith("unix:") else {"socket_keepalive": True}),  # TCP only
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=connect_timeout_s,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        retry=OutageRetry(retries, outage_s),
+        retry_on_error=list(TRANSIENT_REDIS_ERRORS),
     )
     client = client_class()(connection_pool=pool)
     if isinstance(client, AutoPipelineRedis):
@@ -73,24 +109,32 @@ def client_class() -> type[redis.Redis]:
     return AutoPipelineRedis if green_process() else ScriptLoadingRedis
 
 
-def redis_client(settings: Settings | None = None) -> redis.Redis:
+def redis_client(settings: Settings | None = None, ride_out_outages: bool = False) -> redis.Redis:
+    """This process's client. ``ride_out_outages``: a worker's, whose commands wait out a Redis
+    restart (``redis_outage_wait_s``); the gateway's answer 503 after their retries instead (the
+    SDK retries it), so that no request hangs on a Redis that is away."""
     settings = settings or get_settings()
     return _client_for(
         resolve_redis_url(settings),
         settings.redis_socket_timeout_s,
         settings.redis_connect_timeout_s,
         settings.redis_retries,
+        settings.redis_outage_wait_s if ride_out_outages else 0.0,
     )
 
 
 def broker_client(state: redis.Redis, settings: Settings | None = None) -> redis.Redis:
-    """The Redis holding Celery's queues: ROLLOUT_BROKER_URL's, or ``state`` when the broker
-    shares the state's Redis."""
+    """The Redis holding Celery's queues: ROLLOUT_BROKER_URL's (riding out outages as ``state``
+    does), or ``state`` when the broker shares the state's Redis."""
     settings = settings or get_settings()
     if not settings.broker_url:
         return state
     return _client_for(
-        settings.broker_url, settings.redis_socket_timeout_s, settings.redis_connect_timeout_s, settings.redis_retries
+        settings.broker_url,
+        settings.redis_socket_timeout_s,
+        settings.redis_connect_timeout_s,
+        settings.redis_retries,
+        getattr(state.connection_pool.connection_kwargs.get("retry"), "outage_s", 0.0),
     )
 
 

@@ -38,24 +38,30 @@ TRANSITION = "local last = #ARGV\n" + _MOVE + "return move(1)"
 # KEYS: job hash, job lease. ARGV: previous status, stage status, lease owner, lease ttl ms,
 # attempts field, start field, now, end field (a stage that already ended never runs again),
 # a status the stage may also begin from ('' none) and the field stamped then (the run stage of a
-# job that skipped init: it begins from queued and stamps init_start). Returns its answer and the
-# job's fields it read (the 7th: the model of the job's first call).
+# job that skipped init: it begins from queued and stamps init_start), the recovery field (the
+# delivery count housekeeping found lost: a stage some worker began is taken over only by that
+# recovery, never by a duplicate message while its holder may still renew its lease). The same
+# owner beginning again (its reply lost to a Redis restart) gets the same answer. Returns its
+# answer and the job's fields it read (the 7th: the model of the job's first call).
 BEGIN_STAGE_FUNCTION = """
 local function begin_stage()
   local f = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'deadline_at', 'rollout_index', ARGV[8],
-                       ARGV[5], 'first_call_model')
+                       ARGV[5], 'first_call_model', ARGV[11])
   if not f[1] then return {'missing'} end
   local skipped = f[1] == ARGV[9]
   if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
   if f[2] == '1' then return {'cancelled'} end
-  if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
+  local held = redis.call('GET', KEYS[2])
+  if held == ARGV[3] then return {'ok', f[3], tonumber(f[6] or '0'), f[4] or '0'}, f end
+  if held or (f[1] == ARGV[2] and f[8] ~= (f[6] or '0')) then return {'leased'} end
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
   local attempts = tonumber(f[6] or '0') + 1
   if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7], ARGV[10], ARGV[7])
   else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7]) end
   return {'ok', f[3], attempts, f[4] or '0'}, f
 end
 """
-BEGIN_STAGE_ARGS = 10  # a script that begins with begin_stage() reads its own ARGV after these
+BEGIN_STAGE_ARGS = 11  # a script that begins with begin_stage() reads its own ARGV after these
 BEGIN_STAGE = BEGIN_STAGE_FUNCTION + "local begun = begin_stage()\nreturn begun"
 
 # A stage's end: its lease released, then its fields set: the status after. KEYS: job hash, lease.
@@ -99,7 +105,25 @@ def stage_end_scripts(then: str = "", then_args: int = 0) -> tuple[str, str]:
 
 END_STAGE, MOVE_AND_END_STAGE = stage_end_scripts()
 
+# A lease renewed; one that lapsed (Redis restarted, or the holder stalled) is taken again while
+# its stage is still the job's and nobody else took it. KEYS: lease, job hash. ARGV: owner, ttl ms,
+# the stage's status, its end field. Returns 1 (held), 0 (lost: another delivery holds the stage,
+# or it is over).
 RENEW_LEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if held then return 0 end
+local f = redis.call('HMGET', KEYS[2], 'status', ARGV[4])
+if f[1] ~= ARGV[3] or f[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# A stage that gives its job back for another delivery (Redis was away longer than its commands
+# wait): the recovery field set to this delivery's count, so that the next begin takes the stage
+# over, and the lease released. KEYS: job hash, lease. ARGV: owner, recovery field, delivery count.
+HAND_BACK = """
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
 """

@@ -18,6 +18,12 @@ STAGE_TIMES = tuple(f"{stage}_{edge}" for stage in STAGES for edge in ("start", 
 ATTEMPT_FIELDS = tuple(f"attempts_{stage}" for stage in STAGES)
 
 
+def recovery_field(stage: str) -> str:
+    """The job field naming the delivery of ``stage`` that housekeeping (or the stage itself) gave
+    up on: the one delivery after it may take the begun stage over."""
+    return f"recovery_{stage}"
+
+
 def job_key(job_id: str, part: str = "") -> str:
     return f"{PREFIX}:job:{job_id}" + (f":{part}" if part else "")
 

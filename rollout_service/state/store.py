@@ -23,6 +23,7 @@ from rollout_service.state.job_scripts import (
     BEGIN_STAGE,
     END_STAGE,
     ENDED_FIELDS,
+    HAND_BACK,
     MOVE_AND_END_STAGE,
     RENEW_LEASE,
     TRANSITION,
@@ -36,6 +37,7 @@ from rollout_service.state.keys import (
     group_key,
     idempotency_key,
     new_id,
+    recovery_field,
 )
 from rollout_service.state.metrics_recording import Increments, count_jobs_finished, record_job_finished
 from rollout_service.state.reading import JobReader
@@ -86,9 +88,14 @@ class JobStore(JobReader):
         (the workers' and the gateway's stores announce a batch member's end with it)."""
         super().__init__(client, settings)
         self.on_finished = list(on_finished)
-        (self._transition, self._renew_lease, self._begin_stage, self._end_stage, self._move_and_end_stage) = (
-            scripts_of(client, TRANSITION, RENEW_LEASE, BEGIN_STAGE, END_STAGE, MOVE_AND_END_STAGE)
-        )
+        (
+            self._transition,
+            self._renew_lease,
+            self._begin_stage,
+            self._end_stage,
+            self._move_and_end_stage,
+            self._hand_back,
+        ) = scripts_of(client, TRANSITION, RENEW_LEASE, BEGIN_STAGE, END_STAGE, MOVE_AND_END_STAGE, HAND_BACK)
 
     # -- submission -------------------------------------------------------------------
     def create_jobs(
@@ -271,7 +278,8 @@ class JobStore(JobReader):
     ) -> list[tuple[str, list[str], dict[str, bytes | None]]]:
         """For each job: check it may enter ``stage``, take its lease, count the delivery and set its
         status: ``("ok", [deadline_at, attempts, rollout_index], blobs)``, or ``("skip", [status])``,
-        ``("cancelled", [])``, ``("leased", [])``, ``("missing", [])``; ``blobs`` holds the packed
+        ``("cancelled", [])``, ``("leased", [])`` (another delivery holds it, or began it and was
+        not found lost: ``hand_back``), ``("missing", [])``; ``blobs`` holds the packed
         blobs named in ``reads``. ``skipping``: (status, field) — a job in that status may enter too
         (it skipped the stage before), and the field is stamped with the begin. ``calls``: per job,
         a script that begins the stage the same way and does more in the same call (``BeginCall``).
@@ -288,6 +296,7 @@ class JobStore(JobReader):
             f"{stage}_end",
             also_from.value if also_from else "",
             stamp,
+            recovery_field(stage),
         ]
         calls = calls or {}
         pipe = self.redis.pipeline(transaction=False)  # in a green worker: part of the shared round trip
@@ -365,13 +374,28 @@ class JobStore(JobReader):
             return None
         return {name: as_text(value) for name, value in zip(ENDED_FIELDS, result) if value is not None}
 
-    def renew_leases(self, owners: dict[str, str]) -> None:
-        """Renew many leases (job id -> owner) in one round trip."""
+    def renew_leases(self, held: dict[str, tuple[str, str, JobStatus]]) -> list[str]:
+        """Renew many leases (job id -> (owner, stage, its status)) in one round trip, taking again those that
+        lapsed while their stage is still the job's (a Redis restart); the jobs whose lease another
+        delivery holds now, or whose stage is over."""
         pipe = self.redis.pipeline(transaction=False)
         ttl_ms = int(self.settings.lease_ttl_s * 1000)
-        for job_id, owner in owners.items():
-            self._renew_lease(keys=[self.key(job_id, "lease")], args=[owner, ttl_ms], client=pipe)
-        self._execute(pipe)
+        for job_id, (owner, stage, status) in held.items():
+            self._renew_lease(
+                keys=[self.key(job_id, "lease"), self.key(job_id)],
+                args=[owner, ttl_ms, status.value, f"{stage}_end"],
+                client=pipe,
+            )
+        return [job_id for job_id, renewed in zip(held, self._execute(pipe)) if not renewed]
+
+    def hand_back(self, job_id: str, stage: str, owner: str, attempt: int) -> None:
+        """Give up this delivery (``attempt``) of the job's begun ``stage``: the next delivery takes
+        it over (``begin_stages``); the caller sends one."""
+        self._call(
+            self._hand_back,
+            keys=[self.key(job_id), self.key(job_id, "lease")],
+            args=[owner, recovery_field(stage), attempt],
+        )
 
     def pop_within(self, key: str, timeout_s: float, block_s: float = 1.0) -> bytes | None:
         """BLPOP ``key`` for up to ``timeout_s``, in blocks of ``block_s`` (each under the socket timeout)."""

@@ -222,21 +222,60 @@ def test_a_job_past_its_deadline_ends_timed_out_with_the_deadline_reason(jobs: J
     )
 
 
-def test_a_stage_whose_worker_died_is_begun_again_once_its_lease_lapses_and_counts_every_delivery(jobs: Jobs):
+def test_a_begun_stage_whose_lease_lapsed_is_taken_over_only_by_the_delivery_recovery_marks_and_counts_every_delivery(
+    jobs: Jobs,
+):
     job_id = jobs.create()
     jobs.walk_to(job_id, "run")  # worker-a took the run lease and died
     assert jobs.begin(job_id, "run", owner="worker-b") == ("leased", [])  # a duplicate while the lease lives
+    time.sleep(LEASE_TTL_S + 0.1)  # nobody renews the dead worker's lease
+    # lapsed, but nobody found the delivery lost: its holder may be alive and about to take it again
+    assert jobs.begin(job_id, "run", owner="worker-b") == ("leased", [])
     attempts = []
-    for owner in ("worker-b", "worker-c", "worker-d"):
-        time.sleep(LEASE_TTL_S + 0.1)  # nobody renews the dead worker's lease
+    for owner in ("worker-c", "worker-d", "worker-e"):
+        jobs.store.set_fields(job_id, recovery_run=jobs.store.view(job_id).attempts)  # as housekeeping marks it
         verdict, values = jobs.begin(job_id, "run", owner=owner)
         assert verdict == "ok", verdict
         attempts.append(int(values[1]))
+        time.sleep(LEASE_TTL_S + 0.1)
+        assert jobs.begin(job_id, "run", owner="late-duplicate") == ("leased", []), "the mark serves one delivery"
     assert attempts == [2, 3, 4]  # the 4th delivery is past max_redeliveries: the stage fails it (workers/stage.py)
     assert attempts[-1] > jobs.store.settings.max_redeliveries
     assert jobs.store.view(job_id).attempts == 4 and jobs.status(job_id) == JobStatus.running
-    assert jobs.end(job_id, "run", owner="worker-d") == JobStatus.running
-    assert jobs.begin(job_id, "eval", owner="worker-e")[0] == "ok", "the live delivery's end released its lease"
+    assert jobs.end(job_id, "run", owner="worker-e") == JobStatus.running
+    assert jobs.begin(job_id, "eval", owner="worker-f")[0] == "ok", "the live delivery's end released its lease"
+
+
+def test_a_begin_sent_again_by_the_same_delivery_is_answered_as_the_first_without_counting_twice(jobs: Jobs):
+    job_id = jobs.create()
+    first = jobs.begin(job_id, "init", owner="worker-x")  # its reply lost to a Redis restart: redis-py sends it again
+    assert first[0] == "ok" and jobs.begin(job_id, "init", owner="worker-x") == first
+    assert jobs.begin(job_id, "init", owner="worker-y") == ("leased", [])
+
+
+def test_a_lease_that_lapsed_while_redis_was_away_is_taken_again_by_its_holder_while_its_stage_lasts(jobs: Jobs):
+    job_id, other = jobs.create(), jobs.create()
+    jobs.walk_to(job_id, "run")
+    jobs.walk_to(other, "run")
+    jobs.store.redis.delete(jobs.store.key(job_id, "lease"), jobs.store.key(other, "lease"))  # lapsed
+    jobs.end(other, "run")  # ... and one stage ended meanwhile
+    held = {j: (OWNER, "run", JobStatus.running) for j in (job_id, other)}
+    assert jobs.store.renew_leases(held) == [other]
+    assert jobs.store.redis.get(jobs.store.key(job_id, "lease")) == OWNER.encode()
+    assert jobs.store.redis.get(jobs.store.key(other, "lease")) is None, "an ended stage's lease stays released"
+    assert jobs.begin(job_id, "run", owner="worker-b") == ("leased", [])
+    jobs.store.redis.set(jobs.store.key(job_id, "lease"), "worker-b")  # taken over by another delivery
+    assert jobs.store.renew_leases({job_id: held[job_id]}) == [job_id]
+    assert jobs.store.redis.get(jobs.store.key(job_id, "lease")) == b"worker-b"
+
+
+def test_a_stage_handed_back_is_taken_over_by_the_next_delivery_at_once(jobs: Jobs):
+    job_id = jobs.create()
+    jobs.walk_to(job_id, "run")
+    jobs.store.hand_back(job_id, "run", OWNER, jobs.store.view(job_id).attempts)
+    assert jobs.store.redis.get(jobs.store.key(job_id, "lease")) is None
+    verdict, values = jobs.begin(job_id, "run", owner="worker-b")
+    assert verdict == "ok" and values[1] == "2"
 
 
 def completed(jobs: Jobs) -> str:

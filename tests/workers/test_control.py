@@ -13,6 +13,7 @@ import redis
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus
 from rollout_service.sdk.client import RolloutClient
 from rollout_service.settings import Settings
+from rollout_service.state.keys import recovery_field
 from rollout_service.state.store import JobStore
 from tests.fixtures_service import Service
 from tests.helpers import math_task, server_log, tool_call
@@ -34,8 +35,9 @@ def job_whose_run_worker_died(
         )
     )
     for delivery in range(deliveries):
-        if delivery:
+        if delivery:  # housekeeping found the last delivery lost and sent this one
             time.sleep(DEAD_LEASE_S + 0.1)
+            store.set_fields(job_id, **{recovery_field("run"): delivery})
         ((verdict, _, _),) = store.begin_stages(
             [job_id],
             "run",

@@ -73,7 +73,9 @@ def test_served_queues_come_from_live_worker_heartbeats(redis_client):
 def test_scoring_meets_a_stalled_redis_as_a_transient_error_to_retry_not_an_internal_error(
     redis_client, redis_url, celery_app
 ):
-    celery_app(redis_url, ROLLOUT_REDIS_SOCKET_TIMEOUT_S="0.2", ROLLOUT_REDIS_RETRIES="0")
+    celery_app(
+        redis_url, ROLLOUT_REDIS_SOCKET_TIMEOUT_S="0.2", ROLLOUT_REDIS_RETRIES="0", ROLLOUT_REDIS_OUTAGE_WAIT_S="0"
+    )
     from workers.eval import score_submission
     from workers.stage import job_store
 
