@@ -8,14 +8,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+import redis
 
 from rollout_service.devtools.engines import ENGINES, VLLM_START_TIMEOUT_S
 from rollout_service.devtools.models import reference_model_name, resolve_reference_model
-from rollout_service.errors import ConfigError, RolloutError
+from rollout_service.errors import ConfigError, RolloutError, StoreUnavailable
 from rollout_service.launch.commands import (
     FLOWER_NICENESS,
     FLOWER_USER,
@@ -85,14 +87,32 @@ def register_reference(gateway: str, reference: str, model_dir: Path, settings: 
             "tokenizer": str(model_dir),
         },
     )
+    if answer.status_code == 503:  # Redis is restarting
+        raise StoreUnavailable(answer.text[:500])
     if not answer.is_success:
         raise ConfigError(f"registering the reference backend failed: {answer.status_code} {answer.text[:500]}")
+
+
+Step = TypeVar("Step")
+
+
+def while_pieces_restart(supervisor: Supervisor, step: Callable[[], Step], what: str, timeout_s: float = 120) -> Step:
+    """A start-up step that needs Redis or the gateway, tried again while the supervisor restarts
+    a piece that died meanwhile (``Supervisor.check``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return step()
+        except (redis.RedisError, httpx.HTTPError, StoreUnavailable) as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{what} failed for {timeout_s:.0f} s: {exc}; see {supervisor.log_dir}") from exc
+            supervisor.check()
+            time.sleep(0.3)
 
 
 def probe_backends_at_start(redis_url: str) -> list[BackendView]:
     """Probe every registered backend until one probe round decides its health (backends left in
     Redis by an earlier run are marked unhealthy instead of showing ``healthy: true``)."""
-    import redis
 
     from rollout_service.state.backends import FAILURES_TO_UNHEALTHY, BackendPool
 
@@ -151,7 +171,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         redis_server.wait_ready()
         redis_url = redis_server.url
         supervisor.adopt(
-            "redis", redis_process, redis_command, STORE, launch=redis_server.launch, ready=redis_server.wait_ready
+            "redis",
+            redis_process,
+            redis_command,
+            STORE,
+            launch=redis_server.launch,
+            ready=redis_server.wait_ready,
+            log_path=redis_server.data_dir / "redis.log",
         )
     write_private(state / "redis.url", redis_url)
     supervisor.env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_STATE_DIR": str(state)}
@@ -184,8 +210,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                     flush=True,
                 )
             wait_http(f"{reference}/health", supervisor, VLLM_START_TIMEOUT_S if args.engine == "vllm" else 120)
-            register_reference(gateway, reference, model_dir, settings, args.engine)
-        backends = probe_backends_at_start(redis_url)
+            while_pieces_restart(
+                supervisor,
+                lambda: register_reference(gateway, reference, model_dir, settings, args.engine),
+                "registering the reference backend",
+            )
+        backends = while_pieces_restart(supervisor, lambda: probe_backends_at_start(redis_url), "probing backends")
         if with_reference and not any(b.url == reference and b.healthy for b in backends):
             raise ConfigError(
                 f"the {args.engine} backend {reference} is not registered as healthy; "
@@ -294,7 +324,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-    import redis
 
     from rollout_service.sandbox import reap_expired
     from rollout_service.state.connection import redis_client

@@ -214,15 +214,17 @@ def after_store_outage(ctx: StageContext, owner: str, exc: Exception) -> None:
     """Redis stayed away longer than a worker's commands wait (``redis_outage_wait_s``): the job
     is not failed for it. Once Redis answers, the stage gives the job back to its queue for another
     delivery; if the job's deadline passed meanwhile, it ends ``timed_out`` naming the store. Should
-    Redis go away again, housekeeping finds the job later."""
+    Redis stay away past the deadline by another wait, or go away again, housekeeping finds the job
+    once it is back."""
     log.warning("job %s left to another delivery of %s: the state store is away (%s)", ctx.job_id, ctx.stage, exc)
     store = ctx.store
+    give_up_at = max(ctx.deadline_at, time.time()) + ctx.settings.redis_outage_wait_s
     while True:
         try:
             store.redis.ping()
             break
         except STORE_OUTAGE:
-            if ctx.remaining_s() <= 0:
+            if time.time() > give_up_at:
                 return
     try:
         if ctx.remaining_s() <= 0:

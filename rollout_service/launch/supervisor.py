@@ -22,6 +22,7 @@ INTAKE, WORKERS, SERVICES, STORE = range(4)
 FIRST_RESTART_DELAY_S = 0.5
 MAX_RESTART_DELAY_S = 30.0
 STABLE_AFTER_S = 60.0  # a child that ran this long starts its backoff afresh when it dies
+STARTUP_DEATHS = 3  # a piece that dies this many times before the service was first ready is misconfigured
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Child:
     env: dict[str, str] | None = None  # beyond the supervisor's
     launch: Callable[..., subprocess.Popen] | None = None  # how to start it, if not a plain Popen
     ready: Callable[[], None] | None = None  # waited for after a restart
+    log_path: Path | None = None  # where it logs, if not the supervisor's log file of its name
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -78,10 +80,19 @@ class Supervisor:
         stop_rank: int,
         launch: Callable[..., subprocess.Popen],
         ready: Callable[[], None],
+        log_path: Path | None = None,
     ) -> Child:
-        """Supervise a process started elsewhere (the embedded Redis), restarted with ``launch``."""
+        """Supervise a process started elsewhere (the embedded Redis), restarted with ``launch``;
+        ``log_path``: the log it writes itself."""
         child = Child(
-            name, command, stop_rank, launch=launch, ready=ready, process=process, started_at=time.monotonic()
+            name,
+            command,
+            stop_rank,
+            launch=launch,
+            ready=ready,
+            process=process,
+            started_at=time.monotonic(),
+            log_path=log_path,
         )
         self.children.append(child)
         return child
@@ -106,15 +117,25 @@ class Supervisor:
             log.close()
         child.started_at = time.monotonic()
 
+    def log_of(self, child: Child) -> Path:
+        return child.log_path or self.log_dir / f"{child.name}.log"
+
     def log_tail(self, child: Child, chars: int = 3000) -> str:
-        return (self.log_dir / f"{child.name}.log").read_text(errors="replace")[-chars:]
+        try:
+            return self.log_of(child).read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(no log: {exc})"
 
     def check(self) -> None:
-        """While starting up: a piece that exits is a configuration error, reported with its log."""
+        """While starting up: a piece that dies is restarted as later on; one that died
+        STARTUP_DEATHS times before the service was ready is a configuration error, reported with
+        its log."""
+        self.watch()
         for child in self.children:
-            if child.process is not None and child.process.poll() is not None:
+            if len(child.exit_codes) >= STARTUP_DEATHS:
                 raise ConfigError(
-                    f"{child.name} exited with code {child.process.returncode}; last log lines:\n{self.log_tail(child)}"
+                    f"{child.name} exited {len(child.exit_codes)} times while the service started (codes "
+                    f"{child.exit_codes}); last lines of {self.log_of(child)}:\n{self.log_tail(child)}"
                 )
 
     def watch(self) -> None:
@@ -129,8 +150,7 @@ class Supervisor:
                 delay = min(FIRST_RESTART_DELAY_S * 2 ** max(child.quick_deaths - 1, 0), MAX_RESTART_DELAY_S)
                 child.restart_at = now + delay
                 self._say(
-                    f"{child.name} exited with code {code}; restarting it in {delay:.1f} s "
-                    f"(see {self.log_dir / (child.name + '.log')})"
+                    f"{child.name} exited with code {code}; restarting it in {delay:.1f} s (see {self.log_of(child)})"
                 )
             if child.restart_at is not None and now >= child.restart_at:
                 child.restart_at = None

@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from rollout_service.devtools.redis_server import RedisServer
-from rollout_service.launch.supervisor import INTAKE, SERVICES, STORE, WORKERS, Supervisor
+from rollout_service.errors import ConfigError
+from rollout_service.launch.supervisor import INTAKE, SERVICES, STORE, WORKERS, Child, Supervisor
 from tests.helpers import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -55,7 +57,7 @@ def test_a_killed_piece_is_restarted_with_what_it_left_behind_killed_and_the_res
 def test_a_piece_that_keeps_dying_waits_longer_before_each_restart(tmp_path: Path):
     report = io.StringIO()
     supervisor = Supervisor(tmp_path / "logs", dict(os.environ), report=report)
-    crasher = supervisor.start("flower", [sys.executable, "-c", "raise SystemExit(3)"], stop_rank=SERVICES)
+    supervisor.start("flower", [sys.executable, "-c", "raise SystemExit(3)"], stop_rank=SERVICES)
     try:
         watch_until(supervisor, lambda: crasher.restarts >= 3, "three restarts")
         delays = [
@@ -111,3 +113,30 @@ def test_stop_ends_intake_first_then_workers_then_services_then_the_store(tmp_pa
     supervisor.stop()
     assert records.read_text().split() == ["gateway", "worker-run", "reference", "redis"]
     assert all(child.process.poll() is not None for child in supervisor.children)
+
+
+def test_a_piece_that_dies_while_the_service_starts_is_restarted_and_one_that_keeps_dying_stops_start_up_with_its_log(
+    tmp_path: Path,
+):
+    server = RedisServer(tmp_path / "redis").start()
+    supervisor = Supervisor(tmp_path / "logs", dict(os.environ), report=io.StringIO())
+    store = supervisor.adopt(
+        "redis",
+        server.process,
+        list(server.process.args),
+        STORE,
+        launch=server.launch,
+        ready=server.wait_ready,
+        log_path=tmp_path / "redis" / "redis.log",
+    )
+    supervisor.start("flower", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"])
+    try:
+        os.kill(server.process.pid, signal.SIGKILL)
+        with pytest.raises(ConfigError) as stopped:
+            wait_for(lambda: supervisor.check() or False, 30, "start-up to give up on the crashing piece")
+        assert "flower exited 3 times while the service started (codes [3, 3, 3])" in str(stopped.value)
+        assert "bad flag" in str(stopped.value)
+        assert store.restarts >= 1 and store.alive(), "the killed Redis came back meanwhile"
+        assert supervisor.log_tail(Child("vllm", SLEEPER, log_path=tmp_path / "gone.log")).startswith("(no log:")
+    finally:
+        supervisor.stop()
