@@ -57,7 +57,7 @@ def test_a_killed_piece_is_restarted_with_what_it_left_behind_killed_and_the_res
 def test_a_piece_that_keeps_dying_waits_longer_before_each_restart(tmp_path: Path):
     report = io.StringIO()
     supervisor = Supervisor(tmp_path / "logs", dict(os.environ), report=report)
-    supervisor.start("flower", [sys.executable, "-c", "raise SystemExit(3)"], stop_rank=SERVICES)
+    crasher = supervisor.start("flower", [sys.executable, "-c", "raise SystemExit(3)"], stop_rank=SERVICES)
     try:
         watch_until(supervisor, lambda: crasher.restarts >= 3, "three restarts")
         delays = [
