@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 
+import kombu.exceptions
 import pydantic
 import redis
 from flask import Flask, Response, request
@@ -90,7 +91,9 @@ def create_app(settings: Settings | None = None, *, enqueue: Enqueuer) -> Flask:
 
     @app.errorhandler(redis.ConnectionError)
     @app.errorhandler(redis.TimeoutError)
-    def _redis_down(exc: redis.RedisError) -> Response:
+    @app.errorhandler(redis.ReadOnlyError)
+    @app.errorhandler(kombu.exceptions.OperationalError)
+    def _redis_down(exc: Exception) -> Response:
         return _rollout_error(
             StoreUnavailable(
                 f"Redis is unreachable or not answering ({type(exc).__name__}: {exc}); check ROLLOUT_REDIS_URL "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,13 +29,25 @@ from rollout_service.schemas import (
     Turn,
 )
 
+RETRIED_STATUSES = (502, 503, 504)  # the gateway restarting, or its Redis: the request did nothing
+SAFE_POSTS = ("/v1/jobs/wait", "/v1/jobs/trajectories", "/v1/score")  # reads, though POSTed
+BACKOFF_CAP_S = 2.0
+
 
 class RolloutClient:
     def __init__(
-        self, base_url: str = "http://127.0.0.1:8006", token: str | None = None, timeout_s: float = 60.0
+        self,
+        base_url: str = "http://127.0.0.1:8006",
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        outage_wait_s: float = 120.0,
     ) -> None:
+        """``outage_wait_s``: how long a request that is safe to repeat (a read, a cancel, a submission
+        under its Idempotency-Key, which the client adds when none is given) is tried again while the
+        gateway or its Redis is away (a connection error, 502, 503, 504) before the error is raised."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.outage_wait_s = outage_wait_s
         self._control_timeout_s = max(timeout_s, 120.0)  # the service waits for every engine's answer
 
     def close(self) -> None:
@@ -51,7 +64,7 @@ class RolloutClient:
         self, task: dict[str, Any], *, n: int = 1, idempotency_key: str | None = None, **fields: Any
     ) -> SubmitResponse:
         """``fields``: sampling, agent, timeouts, metadata, max_policy_lag (as in POST /v1/jobs)."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
         body = {"task": task, "n": n, **{k: v for k, v in fields.items() if v is not None}}
         return SubmitResponse.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers))
 
@@ -66,7 +79,7 @@ class RolloutClient:
 
     def submit_many(self, jobs: list[dict[str, Any]], idempotency_key: str | None = None) -> list[SubmitResponse]:
         """Submit many job bodies (as POST /v1/jobs takes them) in one request; answers in order."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
         doc = self._call("POST", "/v1/jobs/bulk", json={"jobs": jobs}, headers=headers)
         return [SubmitResponse.model_validate(s) for s in doc["submissions"]]
 
@@ -223,7 +236,7 @@ class RolloutClient:
             "max_rollout_retries": max_rollout_retries,
             **fields,
         }
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
         created = BatchCreated.model_validate(
             self._call("POST", "/v1/batches", json={k: v for k, v in body.items() if v is not None}, headers=headers)
         )
@@ -258,7 +271,23 @@ class RolloutClient:
     def _call(self, method: str, path: str, msgpack_body: bool = False, **kwargs: Any) -> Any:
         if msgpack_body:
             kwargs.setdefault("headers", {})["Accept"] = "application/msgpack"
-        response = self.http.request(method, path, **kwargs)
+        safe = method in ("GET", "DELETE") or path in SAFE_POSTS or path.endswith("/cancel")
+        safe = safe or "Idempotency-Key" in kwargs.get("headers", {})
+        give_up_at, tries = time.monotonic() + (self.outage_wait_s if safe else 0.0), 0
+        while True:
+            tries += 1
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.TransportError:
+                if time.monotonic() >= give_up_at:
+                    raise
+            else:
+                if response.status_code not in RETRIED_STATUSES or time.monotonic() >= give_up_at:
+                    return self._answer(response)
+            time.sleep(min(0.1 * 2**tries, BACKOFF_CAP_S))
+
+    @staticmethod
+    def _answer(response: httpx.Response) -> Any:
         if response.headers.get("content-type", "").startswith("application/msgpack"):
             doc = msgpack.unpackb(response.content, raw=False, strict_map_key=False)
         else:
@@ -270,6 +299,11 @@ class RolloutClient:
             err = doc.get("error", {}) if isinstance(doc, dict) else {}
             raise ApiError(response.status_code, err.get("code", "error"), err.get("message", str(doc)))
         return doc
+
+
+def new_idempotency_key() -> str:
+    """A submission's key, so that the client may send it again after an outage without a duplicate."""
+    return f"sdk-{uuid.uuid4().hex}"
 
 
 class BatchRun:

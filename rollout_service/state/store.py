@@ -43,6 +43,9 @@ from rollout_service.state.metrics_recording import Increments, count_jobs_finis
 from rollout_service.state.reading import JobReader
 from rollout_service.tasks import first_stage
 
+IDEMPOTENCY_CLAIM_S = (
+    120  # a claim whose request died (its gateway killed) lapses after this; a response stays job_ttl_s
+)
 OnFinished = Callable[[str, str], None]  # (job id, batch id or "") once a job reached a terminal state
 
 
@@ -148,7 +151,7 @@ class JobStore(JobReader):
     def claim_idempotency_key(self, key: str, wait_s: float = 10.0) -> dict[str, Any] | None:
         """None if this request now owns ``key``; else the response stored by the one that does."""
         name = idempotency_key(key)
-        if self._call(self.redis.set, name, "", nx=True, ex=self.settings.job_ttl_s):
+        if self._call(self.redis.set, name, "", nx=True, ex=IDEMPOTENCY_CLAIM_S):
             return None
         deadline = time.monotonic() + wait_s
         while not (stored := self._call(self.redis.get, name)):
@@ -156,6 +159,12 @@ class JobStore(JobReader):
                 raise Conflict(f"a request with Idempotency-Key {key!r} is still being processed; retry shortly")
             time.sleep(0.01)
         return json.loads(stored)
+
+    def release_idempotency_key(self, key: str) -> None:
+        """Give up a claim whose request failed before it had a response to record."""
+        name = idempotency_key(key)
+        if self._call(self.redis.get, name) == b"":
+            self._call(self.redis.delete, name)
 
     def record_idempotent_response(self, key: str, response: dict[str, Any]) -> None:
         self._call(self.redis.set, idempotency_key(key), json.dumps(response), ex=self.settings.job_ttl_s)

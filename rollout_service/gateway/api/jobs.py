@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
+import kombu.exceptions
 import msgpack
 from flask import Blueprint, Response, request
 
-from rollout_service.errors import ScoringTimeout, UnknownName, ValidationError
+from rollout_service.errors import STORE_OUTAGE, ScoringTimeout, UnknownName, ValidationError
 from rollout_service.gateway.api.common import (
     ID_PATTERN,
     MSGPACK,
@@ -57,6 +59,8 @@ from rollout_service.state.store import JobStore
 from rollout_service.tasks import first_stage
 
 blueprint = Blueprint("jobs", __name__)
+log = logging.getLogger(__name__)
+ENQUEUE_FAILURES: tuple[type[Exception], ...] = (kombu.exceptions.OperationalError, *STORE_OUTAGE)
 WAIT_RECHECK_S = 0.5
 WAIT_LINGER_S = 0.05  # once enough jobs ended, how long at most to wait for more ending at the same time
 WAIT_QUIET_S = 0.01  # ... and how long after the last end: a wave of ends is over once they stop coming
@@ -86,7 +90,13 @@ def idempotent(scope: str, make: Callable[[], dict[str, Any]]) -> tuple[dict[str
     key = request.headers.get("Idempotency-Key")
     if key and (previous := store().claim_idempotency_key(f"{scope}{key}")) is not None:
         return previous, True
-    response = make()
+    try:
+        response = make()
+    except BaseException:  # nothing to answer a retry with: it may try again at once
+        if key:
+            with contextlib.suppress(Exception):
+                store().release_idempotency_key(f"{scope}{key}")
+        raise
     if key:
         store().record_idempotent_response(f"{scope}{key}", response)
     return response, False
@@ -140,7 +150,10 @@ def submit() -> Response:
 
     def make() -> dict[str, Any]:
         job_ids, group_id = store().create_jobs(job)
-        enqueuer().enqueue_jobs(job_ids, first_stage(job, store().settings))
+        try:
+            enqueuer().enqueue_jobs(job_ids, first_stage(job, store().settings))
+        except ENQUEUE_FAILURES:  # the jobs exist: housekeeping sends them
+            log.warning("could not enqueue %d new jobs; housekeeping will send them", len(job_ids), exc_info=True)
         return {"job_ids": job_ids, "group_id": group_id}
 
     return reply(idempotent("", make)[0], 202)
