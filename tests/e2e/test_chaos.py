@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from rollout_service.devtools.redis_server import free_port
-from rollout_service.errors import ApiError
+from rollout_service.errors import DeadlineExceeded
 from rollout_service.schemas import JobView
 from rollout_service.sdk.client import RolloutClient
 from tests.helpers import math_task, processes_with, server_log, tool_call, wait_for
@@ -47,7 +47,7 @@ class Up:
 
 
 @contextlib.contextmanager
-def rollout_service_up(state: Path, **settings: str) -> Iterator[Up]:
+def rollout_service_up(state: Path, start_timeout_s: float = 180, **settings: str) -> Iterator[Up]:
     """`rollout-service up --no-reference` as a user starts it; stopped with Ctrl-C at the end."""
     port, flower_port = free_port(), free_port()
     env = {
@@ -70,7 +70,7 @@ def rollout_service_up(state: Path, **settings: str) -> Iterator[Up]:
     reader = threading.Thread(target=lambda: up.lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
     try:
-        wait_for(lambda: up.said("rollout-service is up") or process.poll() is not None, 180, "up to start")
+        wait_for(lambda: up.said("rollout-service is up") or process.poll() is not None, start_timeout_s, "up to start")
         assert process.poll() is None, up.output()
         yield up
     finally:
@@ -94,23 +94,42 @@ def main_pid(state: Path, marker: bytes) -> int:
     raise AssertionError(f"no process of {state} runs {marker!r}")
 
 
-def views_when_all_ended(client: RolloutClient, job_ids: list[str], timeout_s: float) -> list[JobView]:
-    """Every job's view once all have ended; the gateway may answer 503 while Redis restarts."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            views = [client.get(job_id) for job_id in job_ids]
-        except (ApiError, httpx.HTTPError):
-            time.sleep(1)
-            continue
-        if all(v.status.value in TERMINAL for v in views):
-            return views
-        time.sleep(2)
-    raise AssertionError(f"not all ended: {Counter(v.status.value for v in views)}")
+STAGE_OF_STATUS = {"queued": "(queued)", "initializing": "init", "running": "run", "evaluating": "eval"}
+BUDGET_S = 240  # every wait of the test from start-up on; its stop and checks fit in the rest of its 300 s
+
+
+class Budget:
+    """What is left of the test's time; each wait takes what it needs from it."""
+
+    def __init__(self, total_s: float) -> None:
+        self.end = time.monotonic() + total_s
+
+    def left(self) -> float:
+        return max(self.end - time.monotonic(), 1.0)
+
+
+def views_when_all_ended(client: RolloutClient, job_ids: list[str], budget: Budget) -> list[JobView]:
+    """Every job's view once all have ended (the client rides out the gateway's 503s while Redis
+    restarts); else a failure naming each unfinished job's status, stage and deliveries."""
+    try:
+        return client.wait(job_ids, timeout_s=budget.left())
+    except DeadlineExceeded:
+        views = [client.get(job_id) for job_id in job_ids]
+        stuck = [
+            (v.job_id, v.status.value, STAGE_OF_STATUS.get(v.status.value), f"attempts={v.attempts}")
+            for v in views
+            if v.status.value not in TERMINAL
+        ]
+        raise AssertionError(f"{len(stuck)} jobs never ended: {stuck}") from None
 
 
 def unfinished(client: RolloutClient, job_ids: list[str]) -> int:
     return sum(client.get(job_id).status.value not in TERMINAL for job_id in job_ids)
+
+
+def kill_redis(up: Up, state: Path, budget: Budget, restarts: int) -> None:
+    os.kill(main_pid(state, b"redis-server"), signal.SIGKILL)
+    wait_for(lambda: up.said(f"redis restarted (restart {restarts})"), budget.left(), f"Redis's restart {restarts}")
 
 
 def sandbox_processes(scratch: Path) -> list[int]:
@@ -132,9 +151,11 @@ def test_up_restarts_a_killed_run_worker_eval_worker_and_redis_and_every_job_com
     )
     scratch = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))  # sockets in it: paths of <= 107 bytes
     state = tmp_path / "state"
+    budget = Budget(BUDGET_S)
     with (
         rollout_service_up(
             state,
+            budget.left(),
             ROLLOUT_RUN_WORKERS="2",
             ROLLOUT_LEASE_TTL_S="3",
             ROLLOUT_BACKEND_PROBE_INTERVAL_S="1",
@@ -150,27 +171,28 @@ def test_up_restarts_a_killed_run_worker_eval_worker_and_redis_and_every_job_com
         client.add_backend(backend_url, "vllm", "chaos", tokenizer=str(tiny_tokenizer_dir))
         job_ids = client.submit(math_task(problem), n=JOBS, agent={"tools": ["bash", "finish"]}).job_ids
 
-        wait_for(lambda: len(server_log(backend_url)) >= JOBS // 2, 120, "half the episodes to be under way")
+        wait_for(lambda: len(server_log(backend_url)) >= JOBS // 2, budget.left(), "half the episodes to be under way")
         in_flight_at_kills = [unfinished(client, job_ids)]
         os.kill(main_pid(state, b"-Q\0run"), signal.SIGKILL)
         wait_for(
             lambda: up.said("worker-run-1 restarted") or up.said("worker-run-2 restarted"),
-            60,
+            budget.left(),
             "the run worker's restart",
         )
+        in_flight_at_kills.append(unfinished(client, job_ids))  # episodes mid-turn, redelivered stages beginning
+        kill_redis(up, state, budget, restarts=1)
         wait_for(
             lambda: any(client.get(j).status.value in ("evaluating", "completed") for j in job_ids[::10]),
-            120,
+            budget.left(),
             "grading to begin",
         )
         in_flight_at_kills.append(unfinished(client, job_ids))
         os.kill(main_pid(state, b"-Q\0eval"), signal.SIGKILL)
-        wait_for(lambda: up.said("worker-eval restarted"), 60, "the eval worker's restart")
-        in_flight_at_kills.append(unfinished(client, job_ids))
-        os.kill(main_pid(state, b"redis-server"), signal.SIGKILL)
-        wait_for(lambda: up.said("redis restarted"), 60, "Redis's restart")
+        wait_for(lambda: up.said("worker-eval restarted"), budget.left(), "the eval worker's restart")
+        in_flight_at_kills.append(unfinished(client, job_ids))  # grading, stage ends and hand-offs
+        kill_redis(up, state, budget, restarts=2)
 
-        views = views_when_all_ended(client, job_ids, 600)
+        views = views_when_all_ended(client, job_ids, budget)
         trajectories = client.trajectories(job_ids)
     output = up.output()
     assert up.process.returncode == 0, output
