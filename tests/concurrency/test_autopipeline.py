@@ -71,7 +71,7 @@ def test_commands_issued_within_the_linger_of_a_busy_worker_share_one_round_trip
     result = run_green(
         redis_url,
         """
-        import json, os
+        import json, os, time
         import gevent, redis
         from rollout_service.concurrency.autopipeline import AutoPipelineRedis
         from rollout_service.settings import get_settings
@@ -86,29 +86,33 @@ def test_commands_issued_within_the_linger_of_a_busy_worker_share_one_round_trip
 
         def staggered(client):
             def one(n):
-                gevent.sleep(n * 0.001)  # 20 episodes whose turns end 1 ms apart
+                gevent.sleep(n * 0.001)  # 20 episodes whose turns end 1 ms apart (timers fire in that order)
                 return client.incr(f"staggered:{n}")
-            before = round_trips[0]
+            before, began = round_trips[0], time.monotonic()
             replies = [g.value for g in gevent.joinall([gevent.spawn(one, n) for n in range(20)])]
-            return replies, round_trips[0] - before
+            return replies, round_trips[0] - before, time.monotonic() - began
 
         os.environ["ROLLOUT_REDIS_URL"] = os.environ["REDIS_URL"]
-        os.environ["ROLLOUT_REDIS_BATCH_LINGER_MS"] = "50"
+        os.environ["ROLLOUT_REDIS_BATCH_LINGER_MS"] = "1000"
         get_settings.cache_clear()
         lingering = redis_client()
         lingering.busy = lambda: True  # as a run worker running many episodes sets it
-        gathered, gathered_trips = staggered(lingering)
-        at_once, at_once_trips = staggered(AutoPipelineRedis.from_url(os.environ["REDIS_URL"]))
+        gathered, gathered_trips, gathered_s = staggered(lingering)
+        at_once, at_once_trips, at_once_s = staggered(AutoPipelineRedis.from_url(os.environ["REDIS_URL"]))
         lingering.busy = lambda: False  # a run worker with few episodes, or any other green process
-        idle, idle_trips = staggered(lingering)
+        idle, idle_trips, idle_s = staggered(lingering)
         print(json.dumps({"linger_s": lingering.linger_s, "gathered": gathered, "gathered_trips": gathered_trips,
-                          "at_once": at_once, "at_once_trips": at_once_trips, "idle_trips": idle_trips}))
+                          "at_once": at_once, "at_once_trips": at_once_trips, "idle_trips": idle_trips,
+                          "gathered_s": gathered_s, "at_once_s": at_once_s, "idle_s": idle_s}))
     """,
     )
-    assert result["linger_s"] == 0.05  # from ROLLOUT_REDIS_BATCH_LINGER_MS
+    assert result["linger_s"] == 1.0  # from ROLLOUT_REDIS_BATCH_LINGER_MS
     assert result["gathered"] == [1] * 20 and result["at_once"] == [2] * 20
-    assert result["gathered_trips"] == 1, result
-    assert result["at_once_trips"] >= 10 and result["idle_trips"] >= 10, result
+    # the last command comes 19 ms after the first, well inside the linger whatever the load
+    assert result["gathered_trips"] == 1 and result["gathered_s"] >= 1.0, result
+    # without a linger the first round trip leaves at once: the commands after it take more
+    assert result["at_once_trips"] >= 2 and result["idle_trips"] >= 2, result
+    assert max(result["at_once_s"], result["idle_s"]) < result["gathered_s"] / 2, result
 
 
 def test_fired_calls_run_in_order_with_later_ones_even_after_the_server_forgot_its_scripts(redis_client, redis_url):
