@@ -157,9 +157,15 @@ def submit_score(score_id: str) -> None:
 
 
 def announce_batch_member_done(job_id: str, batch_id: str) -> None:
-    """The job-store hook: a member of a batch ended, so the control queue decides its group."""
-    if batch_id:
+    """The job-store hook: a member of a batch ended, so the control queue decides its group. With
+    the broker away the event is lost, not the job's end: the batch heals undecided members
+    (``BatchControl.heal``) when it is next read."""
+    if not batch_id:
+        return
+    try:
         app.send_task(BATCH_MEMBER_DONE_TASK, args=(job_id,), queue="control")
+    except Exception:
+        log.warning("could not announce batch member %s; its batch decides it when next read", job_id, exc_info=True)
 
 
 def served_queues(client: redis.Redis) -> set[str]:
