@@ -113,7 +113,6 @@ def while_pieces_restart(supervisor: Supervisor, step: Callable[[], Step], what:
 def probe_backends_at_start(redis_url: str) -> list[BackendView]:
     """Probe every registered backend until one probe round decides its health (backends left in
     Redis by an earlier run are marked unhealthy instead of showing ``healthy: true``)."""
-
     from rollout_service.state.backends import FAILURES_TO_UNHEALTHY, BackendPool
 
     client = redis.Redis.from_url(redis_url)
@@ -324,7 +323,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_reap(args: argparse.Namespace) -> int:
-
     from rollout_service.sandbox import reap_expired
     from rollout_service.state.connection import redis_client
 

@@ -134,7 +134,7 @@ class LeaseKeeper:
                     continue
                 for job_id in lost:
                     if job_id in self.held:
-                        log.error("job %s: another delivery took its stage over; this one's end is ignored", job_id)
+                        log.error("job %s: another delivery holds its stage now (this one was found lost)", job_id)
 
 
 leases = LeaseKeeper()

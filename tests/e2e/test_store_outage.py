@@ -52,7 +52,10 @@ def test_redis_killed_twice_while_jobs_are_in_every_stage_ends_none_of_them_and_
                 },
                 {"match": "REWRITE-MARKER", "turns": ["Summary: 4"]},
                 {"match": harness_problem, "turns": [{"text": "The answer is \\boxed{4}.", "delay_s": 2.0}]},
-                {"match": code_problem, "turns": [tool_call("finish", answer="```python\ndef f():\n    return 1\n```")]},
+                {
+                    "match": code_problem,
+                    "turns": [tool_call("finish", answer="```python\ndef f():\n    return 1\n```")],
+                },
                 {"match": batch_problem, "turns": [{"text": tool_call("finish", answer="4"), "delay_s": 1.0}]},
             ]
         }
