@@ -40,11 +40,12 @@ class RolloutClient:
         base_url: str = "http://127.0.0.1:8006",
         token: str | None = None,
         timeout_s: float = 60.0,
-        outage_wait_s: float = 120.0,
+        outage_wait_s: float = 180.0,
     ) -> None:
         """``outage_wait_s``: how long a request that is safe to repeat (a read, a cancel, a submission
         under its Idempotency-Key, which the client adds when none is given) is tried again while the
-        gateway or its Redis is away (a connection error, 502, 503, 504) before the error is raised."""
+        gateway or its Redis is away (a connection error, 502, 503, 504; for a submission, a 409 while
+        the same key's first request is unfinished or died with its gateway) before the error is raised."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.outage_wait_s = outage_wait_s
@@ -271,8 +272,9 @@ class RolloutClient:
     def _call(self, method: str, path: str, msgpack_body: bool = False, **kwargs: Any) -> Any:
         if msgpack_body:
             kwargs.setdefault("headers", {})["Accept"] = "application/msgpack"
-        safe = method in ("GET", "DELETE") or path in SAFE_POSTS or path.endswith("/cancel")
-        safe = safe or "Idempotency-Key" in kwargs.get("headers", {})
+        keyed = "Idempotency-Key" in kwargs.get("headers", {})
+        safe = keyed or method in ("GET", "DELETE") or path in SAFE_POSTS or path.endswith("/cancel")
+        retried = (*RETRIED_STATUSES, 409) if keyed else RETRIED_STATUSES
         give_up_at, tries = time.monotonic() + (self.outage_wait_s if safe else 0.0), 0
         while True:
             tries += 1
@@ -282,7 +284,7 @@ class RolloutClient:
                 if time.monotonic() >= give_up_at:
                     raise
             else:
-                if response.status_code not in RETRIED_STATUSES or time.monotonic() >= give_up_at:
+                if response.status_code not in retried or time.monotonic() >= give_up_at:
                     return self._answer(response)
             time.sleep(min(0.1 * 2**tries, BACKOFF_CAP_S))
 

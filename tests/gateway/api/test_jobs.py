@@ -303,6 +303,20 @@ def test_a_retried_bulk_submission_with_an_idempotency_key_returns_the_same_jobs
     client.wait([j for s in first for j in s.job_ids], timeout_s=120)
 
 
+def test_a_submission_whose_key_a_killed_gateway_left_claimed_goes_through_once_the_claim_lapses(
+    client, scripted_backend, service
+):
+    problem = f"Idem claim ({uuid.uuid4().hex[:6]})"
+    scripted_backend(script_for(problem))
+    key = uuid.uuid4().hex
+    service.redis().set(f"rollout:idem:{key}", "", ex=12)  # claimed by a request whose gateway died
+    began = time.monotonic()
+    first = client.submit(math_task(problem), n=2, idempotency_key=key)  # 409 "still being processed", then tried again
+    assert time.monotonic() - began >= 10, "it waited for the claim to lapse"
+    assert client.submit(math_task(problem), n=2, idempotency_key=key) == first
+    assert [v.status.value for v in client.wait(first.job_ids, timeout_s=120)] == ["completed"] * 2
+
+
 def test_a_thousand_trajectories_of_8k_tokens_arrive_through_the_client_in_one_call_exactly(client, service):
     from rollout_service.schemas import JobRequest, Trajectory, Turn
     from rollout_service.settings import Settings
