@@ -45,12 +45,19 @@ def stage_mark(job_id: str, stage: str) -> str:
     return f"{job_id}.{stage}"
 
 
-def send_stage(stage: str, job_ids: Sequence[str]) -> None:
+def send_stage(stage: str, job_ids: Sequence[str], ride_out_outages: bool = False) -> None:
     """Publish ``job_ids`` to ``stage``'s queue, ``stage_batch_max_jobs`` per message, through one
-    producer (one broker connection for all of them)."""
+    producer (one broker connection for all of them). ``ride_out_outages``: a worker's hand-off,
+    which waits for a restarting broker as its Redis commands do (``redis_outage_wait_s``)."""
     if stage not in STAGES:
         raise UnknownName("stage", stage, STAGES)
-    size = max(get_settings().stage_batch_max_jobs, 1)
+    settings = get_settings()
+    size = max(settings.stage_batch_max_jobs, 1)
+    patience = (
+        {"retry_policy": {"max_retries": max(int(settings.redis_outage_wait_s), 3), "interval_max": 1.0}}
+        if ride_out_outages
+        else {}
+    )
     with app.producer_or_acquire() as producer:
         for start in range(0, len(job_ids), size):
             chunk = list(job_ids[start : start + size])
@@ -63,6 +70,7 @@ def send_stage(stage: str, job_ids: Sequence[str]) -> None:
                 producer=producer,
                 task_id=task_id,
                 headers={JOBS_HEADER: marks},
+                **patience,
             )
 
 
@@ -74,7 +82,7 @@ def enqueue_jobs(job_ids: Iterable[str], stage: str) -> None:
 
 def enqueue_from(job_id: str, stage: str) -> None:
     """Re-enqueue a job from ``stage`` on (the control worker's recovery of a lost stage)."""
-    send_stage(stage, [job_id])
+    send_stage(stage, [job_id], ride_out_outages=True)
 
 
 QUIET_WINDOWS = 10  # a stage quiet this many windows hands its next job on at once
@@ -134,7 +142,7 @@ class Handoff:
     @staticmethod
     def _publish(stage: str, jobs: list[str], published: threading.Event) -> None:
         try:
-            send_stage(stage, jobs)
+            send_stage(stage, jobs, ride_out_outages=True)
         except Exception:  # the broker is away: housekeeping re-sends jobs no message carries
             log.warning("could not hand %d jobs to %s; housekeeping will re-send them", len(jobs), stage, exc_info=True)
         finally:

@@ -76,6 +76,23 @@ def resolve_redis_url(settings: Settings) -> str:
     )
 
 
+class OutagePool(redis.BlockingConnectionPool):
+    """A blocking pool whose connecting is retried like a command: redis-py retries a command only
+    once the pool gave it a connection, and a Redis that is restarting refuses the connection."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        connect = super().get_connection
+        retry = self.connection_kwargs["retry"]
+        return retry.call_with_retry(
+            lambda: connect(*args, **kwargs), lambda error: None, is_retryable=lambda e: not _pool_exhausted(e)
+        )
+
+
+def _pool_exhausted(error: Exception) -> bool:
+    """The pool had no free connection within ``redis_pool_wait_s``: not an outage, not retried."""
+    return "No connection available" in str(error)
+
+
 @functools.lru_cache(maxsize=8)
 def _client_for(
     url: str, socket_timeout_s: float, connect_timeout_s: float, retries: int, outage_s: float = 0.0
@@ -86,7 +103,7 @@ def _client_for(
     Its pool blocks when all connections are busy (hundreds of episodes share a few dozen
     connections) instead of failing with "Too many connections"."""
     settings = get_settings()
-    pool = redis.BlockingConnectionPool.from_url(
+    pool = OutagePool.from_url(
         url,
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_pool_wait_s,
