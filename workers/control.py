@@ -131,9 +131,9 @@ def recover_orphans(store: JobStore) -> list[str]:
             broker_client(store.redis), [dispatch.stage_mark(j, s) for j, s in unsent.items()]
         )
         lost = {j: s for j, s in unsent.items() if dispatch.stage_mark(j, s) not in present}
-    claims = {  # once per delivery for a dead worker (its message stays unacked for hours), again
-        # should the message that recovers it be lost too
-        **{j: (s, f"recovery:{s}:{attempts}", int(patience_s * 2), "worker") for j, (s, attempts) in crashed.items()},
+    claims = {  # once per delivery for a dead worker (its message stays unacked for hours), again two
+        # lease TTLs later should the message that recovers it be lost too
+        **{j: (s, f"recovery:{s}:{attempts}", int(patience_s) + 1, "worker") for j, (s, attempts) in crashed.items()},
         # a lost message: the broker holds the new one from now on, so the next scan sees it
         **{j: (s, f"recovery:{s}:lost", int(patience_s) + 1, "message") for j, s in lost.items()},
     }

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import redis
 
+from rollout_service.concurrency.broker import queue_keys
 from rollout_service.schemas import BackendView, FinishReason, JobRequest, JobStatus
 from rollout_service.sdk.client import RolloutClient
 from rollout_service.settings import Settings
@@ -128,3 +129,34 @@ def test_housekeeping_reads_the_fields_of_live_jobs_without_a_lease_only(
     assert control.recover_orphans(store) == []  # neither waited two lease TTLs
     assert redis_client.info("commandstats")["cmdstat_hmget"]["calls"] - before == len(unleased)
     assert waiting in unleased and running not in unleased
+
+
+def test_housekeeping_recovers_a_begun_stage_only_once_two_scans_a_lease_ttl_apart_found_it_unleased_and_again_if_that_is_lost(
+    redis_client: redis.Redis, redis_url: str, celery_app
+) -> None:
+    celery_app(redis_url, ROLLOUT_LEASE_TTL_S=str(DEAD_LEASE_S))
+    from workers import dispatch
+    from workers.stage import job_store
+
+    store = job_store()
+    (job_id,), _ = store.create_jobs(JobRequest.model_validate({"task": math_task("1+1")}))
+    store.begin_stages(
+        [job_id],
+        "run",
+        JobStatus.initializing,
+        JobStatus.running,
+        "dead-worker",
+        skipping=(JobStatus.queued, "init_start"),
+    )
+    store.set_fields(job_id, run_start=time.time() - 600)
+    time.sleep(DEAD_LEASE_S + 0.1)  # its lease lapsed: a dead worker, or a live one about to take it again
+
+    assert control.recover_orphans(store) == [], "one sighting is not enough"
+    time.sleep(DEAD_LEASE_S + 0.1)
+    assert control.recover_orphans(store) == [job_id]
+    assert redis_client.hget(store.key(job_id), "recovery_run") == b"1", "the re-sent delivery may take it over"
+    assert dispatch.messages_present(redis_client, [f"{job_id}.run"]) == {f"{job_id}.run"}
+    assert control.recover_orphans(store) == [], "once per delivery while its message may still come"
+    redis_client.delete(*queue_keys("run"))  # that message is lost
+    redis_client.delete(store.key(job_id, "recovery:run:1"))  # ... and two lease TTLs passed
+    assert control.recover_orphans(store) == [job_id]
