@@ -51,10 +51,12 @@ local function begin_stage()
   local skipped = f[1] == ARGV[9]
   if (f[1] ~= ARGV[1] and f[1] ~= ARGV[2] and not skipped) or f[5] then return {'skip', f[1]} end
   if f[2] == '1' then return {'cancelled'} end
-  local held = redis.call('GET', KEYS[2])
-  if held == ARGV[3] then return {'ok', f[3], tonumber(f[6] or '0'), f[4] or '0'}, f end
-  if held or (f[1] == ARGV[2] and f[8] ~= (f[6] or '0')) then return {'leased'} end
-  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
+  if f[1] == ARGV[2] then
+    local held = redis.call('GET', KEYS[2])
+    if held == ARGV[3] then return {'ok', f[3], tonumber(f[6] or '0'), f[4] or '0'}, f end
+    if held or f[8] ~= (f[6] or '0') then return {'leased'} end
+  end
+  if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then return {'leased'} end
   local attempts = tonumber(f[6] or '0') + 1
   if skipped then redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7], ARGV[10], ARGV[7])
   else redis.call('HSET', KEYS[1], 'status', ARGV[2], ARGV[5], attempts, ARGV[6], ARGV[7]) end

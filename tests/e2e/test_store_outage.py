@@ -100,19 +100,23 @@ def test_redis_killed_twice_while_jobs_are_in_every_stage_ends_none_of_them_and_
         phases = [statuses(service, job_ids)]
         kill_redis_for(service, 2.0)  # grading, episodes mid-turn, harness calls, stage ends
         time.sleep(1.5)
-        phases.append(statuses(service, job_ids))
-        kill_redis_for(service, 1.0)  # what the first restart set going: begins, hand-offs, decisions
+        late = client.submit(math_task(tool_problem), n=12, agent={"tools": ["bash", "finish"]}).job_ids
+        phases.append(statuses(service, job_ids + late))
+        kill_redis_for(service, 1.0)  # the new jobs' init; what the first restart set going: begins, hand-offs
         waiter.join(300)
+        late_views = client.wait(late, timeout_s=120)
         groups = batch.groups()
-        trajectories = client.trajectories(tools)
+        trajectories = client.trajectories(tools + late)
 
     views = waited.get("views")
     assert isinstance(views, list), f"the SDK's wait did not ride out the restarts: {views!r}"
+    views += late_views
+    job_ids += late
     assert all(phase.total() - phase["completed"] for phase in phases), phases  # jobs were live at each kill
     assert Counter(v.status.value for v in views) == {"completed": len(job_ids)}, [
         (v.job_id, v.status.value, v.attempts, v.error) for v in views if v.status.value != "completed"
     ]
     assert all(v.reward == 1.0 for v in views), [(v.job_id, v.reward, v.result) for v in views if v.reward != 1.0]
-    for job_id in tools:  # one episode each, not two spliced
+    for job_id in tools + late:  # one episode each, not two spliced
         assert [t.kind for t in trajectories[job_id].turns].count("generation") == 2, trajectories[job_id].turns
     assert len(groups) == 3 and all(r.reward == 1.0 for g in groups for r in g.rollouts)
