@@ -133,20 +133,21 @@ def recover_orphans(store: JobStore) -> list[str]:
         lost = {j: s for j, s in unsent.items() if dispatch.stage_mark(j, s) not in present}
     claims = {  # once per delivery for a dead worker (its message stays unacked for hours), again two
         # lease TTLs later should the message that recovers it be lost too
-        **{j: (s, f"recovery:{s}:{attempts}", int(patience_s) + 1, "worker") for j, (s, attempts) in crashed.items()},
+        **{j: (s, f"recovery:{s}:{attempts}", "worker") for j, (s, attempts) in crashed.items()},
         # a lost message: the broker holds the new one from now on, so the next scan sees it
-        **{j: (s, f"recovery:{s}:lost", int(patience_s) + 1, "message") for j, s in lost.items()},
+        **{j: (s, f"recovery:{s}:lost", "message") for j, s in lost.items()},
     }
+    claim_s = int(patience_s) + 1
     recovered = []
-    for job_id, (stage, claim, ttl_s, what) in claims.items():
-        # claimed for one pass until the message is sent: Redis dying between the two must not
+    for job_id, (stage, claim, what) in claims.items():
+        # claimed for one pass, counted again from the send: Redis dying between the two must not
         # leave a claim that outlives a message it never got (the job would wait forever)
-        if store.redis.set(store.key(job_id, claim), "1", nx=True, ex=int(patience_s) + 1):
+        if store.redis.set(store.key(job_id, claim), "1", nx=True, ex=claim_s):
             log.warning("job %s lost its %s %s; re-enqueueing from %s", job_id, stage, what, stage)
             if job_id in crashed:
                 store.set_fields(job_id, **{recovery_field(stage): crashed[job_id][1]})
             dispatch.enqueue_from(job_id, stage)
-            store.redis.expire(store.key(job_id, claim), ttl_s)
+            store.redis.expire(store.key(job_id, claim), claim_s)
             recovered.append(job_id)
     return recovered
 

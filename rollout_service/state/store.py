@@ -43,9 +43,8 @@ from rollout_service.state.metrics_recording import Increments, count_jobs_finis
 from rollout_service.state.reading import JobReader
 from rollout_service.tasks import first_stage
 
-IDEMPOTENCY_CLAIM_S = (
-    120  # a claim whose request died (its gateway killed) lapses after this; a response stays job_ttl_s
-)
+# a claim whose request died (its gateway killed) lapses after this, gunicorn's timeout; a response stays job_ttl_s
+IDEMPOTENCY_CLAIM_S = 120
 OnFinished = Callable[[str, str], None]  # (job id, batch id or "") once a job reached a terminal state
 
 
