@@ -122,6 +122,12 @@ class SandboxError(RolloutError):
     code = "sandbox_error"
 
 
+class ImageError(SandboxError):
+    """An image could not be fetched, verified or unpacked (names the image and what failed)."""
+
+    code = "image_error"
+
+
 class TaskError(RolloutError):
     """A domain handler could not prepare or score a task."""
 

@@ -89,6 +89,12 @@ class Settings:
     tool_output_cap_bytes: int = 32 * 1024  # a tool's output beyond this is cut in the middle (head and tail kept)
     eval_timeout_s: float = 60.0  # one grading; POST /v1/score waits this plus 30 s
     repo_roots: str = ""  # directories (os.pathsep- or comma-separated) task.repo_path may name besides state_dir
+    image_roots: str = ""  # directories (os.pathsep- or comma-separated) a local image (oci:, oci-archive:, docker-archive:, .sif) may be under besides state_dir/images
+    image_cache_dir: str = ""  # where this node unpacks images, one root file system per manifest digest; "": state_dir/image-cache
+    image_cache_max_gb: float = 200.0  # the unpacked images a node keeps; past it the least recently used ones not in use go
+    image_starts_per_node: int = 4  # sandboxes of one image starting at once on a node (the others wait their turn)
+    image_pull_timeout_s: float = 1800.0  # fetching and unpacking one image
+    swe_image_template: str = ""  # a swe task without image or repo_path gets this image, e.g. docker://swebench/sweb.eval.x86_64.{instance_id}:latest ({instance_id} with __ as _1776_)
     harness_roots: str = ""  # directories (os.pathsep- or comma-separated) agent.harness.env_dir may be under besides state_dir/harnesses
     shutdown_grace_s: float = 15.0  # `up` stopping: each rank of pieces (gateway, workers, backends, Redis) gets this long before it is killed
     # fmt: on
@@ -132,6 +138,16 @@ class Settings:
         """Where a harness's ``env_dir`` may be (resolved): state_dir/harnesses and ``harness_roots``."""
         named = [p.strip() for part in self.harness_roots.split(os.pathsep) for p in part.split(",")]
         return tuple(dict.fromkeys(os.path.realpath(p) for p in [str(self.state_path / "harnesses"), *named] if p))
+
+    @functools.cached_property
+    def image_root_paths(self) -> tuple[str, ...]:
+        """Where a local image may be (resolved): state_dir/images and ``image_roots``."""
+        named = [p.strip() for part in self.image_roots.split(os.pathsep) for p in part.split(",")]
+        return tuple(dict.fromkeys(os.path.realpath(p) for p in [str(self.state_path / "images"), *named] if p))
+
+    @functools.cached_property
+    def image_cache_path(self) -> Path:
+        return Path(self.image_cache_dir).resolve() if self.image_cache_dir else self.state_path / "image-cache"
 
     @functools.cached_property
     def scratch_path(self) -> str:

@@ -57,6 +57,8 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     script: tuple[str, ...] = ()  # a one-shot sandbox (``run``): this script and its arguments, no tools
     read_only: tuple[str, ...] = ()  # host directories bound read-only at their own paths (a harness's env_dir)
+    workdir: str = ""  # the tools' working directory inside ("": the image's WorkingDir, else /workspace)
+    pin_repo: tuple[str, ...] = ()  # (repo_dir, commit): the image's repository holds nothing after commit
 
 
 class Sandbox(Protocol):

@@ -25,6 +25,7 @@ from typing import Any
 
 from rollout_service.concurrency.green import green_process, wait_ready
 from rollout_service.errors import SandboxError
+from rollout_service.images import image_cache
 from rollout_service.sandbox.base import (
     INNER_SOCKET,
     INNER_SOCKET_DIR,
@@ -38,6 +39,7 @@ from rollout_service.sandbox.base import (
     host_import_paths,
     server_arguments,
 )
+from rollout_service.sandbox.image_root import ImageRoot, check_image_sandbox
 from rollout_service.settings import get_settings
 
 SANDBOX_UID_BASE = 900_000_000
@@ -56,8 +58,12 @@ FORK_SERVER_CAPS = (
     "CAP_NET_ADMIN",
     "CAP_DAC_READ_SEARCH",
     "CAP_KILL",
-    "CAP_SYS_NICE",
-)  # a booted sandbox back at nice 0 where autogroups are off
+    "CAP_SYS_NICE",  # a booted sandbox back at nice 0 where autogroups are off
+    "CAP_DAC_OVERRIDE",  # overlayfs copies a file up with the credentials of who mounted it (an image
+    "CAP_CHOWN",  # sandbox's init): these four let it copy any file of the image, its owner and
+    "CAP_FOWNER",  # times kept, and make whiteouts; a sandbox's own processes never hold them
+    "CAP_MKNOD",
+)
 
 
 class UidLease:
@@ -104,6 +110,16 @@ def runtime_paths() -> tuple[str, ...]:
     """Host directories the action server needs: the interpreter, the venv, the package (the same
     for the life of the process; asked at every sandbox start)."""
     paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), *host_import_paths()}
+    return tuple(sorted(paths))
+
+
+@functools.lru_cache(maxsize=1)
+def image_runtime_paths() -> tuple[str, ...]:
+    """What of the host an image sandbox's action server needs: the interpreter's standard library,
+    the ``rollout_service`` package alone (not the directory around it, which may hold the state
+    directory) and ptyprocess's site-packages."""
+    package = os.path.join(host_import_paths()[0], "rollout_service")
+    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(package), *host_import_paths()[1:]}
     return tuple(sorted(paths))
 
 
@@ -466,6 +482,7 @@ class BwrapSandbox(ServerSandbox):
     def __init__(self, spec: SandboxSpec, redis_client: Any = None) -> None:
         super().__init__(spec, redis_client)
         self._lease: UidLease | None = None
+        self._image: ImageRoot | None = None
 
     @property
     def uid(self) -> int | None:
@@ -480,6 +497,7 @@ class BwrapSandbox(ServerSandbox):
         give_to(self.spec.workspace, self._lease.uid)
 
     def _spawn(self) -> None:
+        check_image_sandbox(self.spec, use_fork_server())
         if not use_fork_server():
             return super()._spawn()
         self._make_socket_dir()
@@ -494,9 +512,22 @@ class BwrapSandbox(ServerSandbox):
             "cpu_time_s": spec.cpu_time_s,
             "max_procs": spec.max_procs,
             "user": f"{self._lease.uid}:{self._lease.uid}",
-            "workspace": INNER_WORKSPACE,
+            "workspace": spec.workdir or INNER_WORKSPACE,
             "script": list(spec.script),
         }
+        if spec.image is not None:
+            self._image = image = ImageRoot.prepare(spec, self.sandbox_id)
+            request["mounts"] = image.mount_plan(spec, self.socket_dir or "", HOST_VIEW, image_runtime_paths())
+            request["env"] = image.env(self.sandbox_env(), spec.env)
+            request["workspace"] = image.workdir(spec)
+            request["idmap"] = True
+            with image_cache().start_slot(image.rootfs.digest):
+                self._fork(request)
+            return
+        self._fork(request)
+
+    def _fork(self, request: dict[str, Any]) -> None:
+        spec = self.spec
         status_read, status_write = os.pipe()
         if spec.script:
             ours, channel = os.pipe()
@@ -532,6 +563,9 @@ class BwrapSandbox(ServerSandbox):
         return (str(get_settings().state_path),)
 
     def _release(self) -> None:
+        if self._image is not None:
+            self._image.release()
+            self._image = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None

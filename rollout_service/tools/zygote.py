@@ -52,12 +52,22 @@ CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
+CLONE_NEWUSER = 0x10000000
+AT_FDCWD, AT_EMPTY_PATH, AT_RECURSIVE = -100, 0x1000, 0x8000
+OPEN_TREE_CLONE, OPEN_TREE_CLOEXEC, MOUNT_ATTR_IDMAP, MOVE_MOUNT_F_EMPTY_PATH = 1, 0o2000000, 0x100000, 4
+SYS_OPEN_TREE, SYS_MOVE_MOUNT, SYS_MOUNT_SETATTR = 428, 429, 442  # the same number on every architecture
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine, 155)
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 MAX_REQUEST_BYTES = 1 << 20
 MAX_FD = 1 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
 
 
 def _check(result: int, what: str) -> None:
@@ -75,8 +85,75 @@ def _die_with_parent() -> None:
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
-def apply_mounts(operations: list) -> None:
-    """Run the mount plan the worker computed (``rollout_service.sandbox.bwrap.fork_mount_plan``)."""
+def _syscall(number: int, *args: object) -> int:
+    result = _libc.syscall(number, *args)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"syscall {number}: {os.strerror(errno)}")
+    return int(result)
+
+
+def idmapped_bind(source: str, target: str, userns: int) -> None:
+    """Bind ``source`` at ``target`` with its owners mapped through ``userns`` (an image's files,
+    owned by root on disk, then belong to the sandbox's uid: it may change them, as root may in a
+    container, while the kernel still counts its processes against its own uid)."""
+    tree = _syscall(SYS_OPEN_TREE, AT_FDCWD, source.encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE)
+    try:
+        attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns)
+        _syscall(SYS_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH | AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
+        _syscall(SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH)
+    finally:
+        os.close(tree)
+
+
+def enter_root(new_root: str) -> None:
+    """Make ``new_root`` this mount namespace's root, and drop the old one entirely."""
+    old = os.path.join(new_root, ".rollout-old-root")
+    os.makedirs(old, exist_ok=True)
+    _syscall(SYS_PIVOT_ROOT, new_root.encode(), old.encode())
+    os.chdir("/")
+    _check(_libc.umount2(b"/.rollout-old-root", MNT_DETACH), "umount the old root")
+    os.rmdir("/.rollout-old-root")
+
+
+def mapping_namespace(user: str) -> int:
+    """A user namespace mapping root to ``user`` ("uid:gid"), as a file descriptor: a child makes
+    it, this process (in the host's pid namespace, with CAP_SETUID) writes its maps."""
+    uid, gid = user.split(":")
+    ready_read, ready_write = os.pipe()
+    hold_read, hold_write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(ready_read)
+            os.close(hold_write)
+            _check(_libc.unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+            os.write(ready_write, b"1")
+            os.read(hold_read, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.close(hold_read)
+    try:
+        if os.read(ready_read, 1) != b"1":
+            raise OSError("the user namespace helper failed")
+        with open(f"/proc/{child}/uid_map", "w") as uid_map:
+            uid_map.write(f"0 {uid} 1\n")
+        with open(f"/proc/{child}/gid_map", "w") as gid_map:
+            gid_map.write(f"0 {gid} 1\n")
+        return os.open(f"/proc/{child}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_read)
+        os.close(hold_write)
+        try:
+            os.waitpid(child, 0)
+        except ChildProcessError:  # reaped by the SIGCHLD handler already
+            pass
+
+
+def apply_mounts(operations: list, userns: int = -1) -> None:
+    """Run the mount plan the worker computed (``rollout_service.sandbox.bwrap.fork_mount_plan``,
+    ``image_mount_plan``)."""
     for operation in operations:
         kind, target = operation[0], operation[-1]
         if kind == "private":
@@ -94,6 +171,14 @@ def apply_mounts(operations: list) -> None:
             _mount("proc", target, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         elif kind == "devpts":
             _mount("devpts", target, "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
+        elif kind == "rbind":
+            _mount(operation[1], target, None, MS_BIND | MS_REC)
+        elif kind == "idmap-bind":
+            idmapped_bind(operation[1], target, userns)
+        elif kind == "overlay":
+            _mount("overlay", target, "overlay", MS_NOSUID, operation[1])
+        elif kind == "root":
+            enter_root(target)
         elif kind == "detach":
             _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
         else:
@@ -156,11 +241,13 @@ def status_fd(request: dict) -> int:
     return 3 if request["script"] else 4
 
 
-def init(request: dict, channel: int, log: int, status: int) -> None:
+def init(request: dict, channel: int, log: int, status: int, userns: int = -1) -> None:
     """P1, pid 1 of the sandbox: set up its file system and network, then serve the tools or run a
     Python script itself, or start P2 (a program) and reap. Never returns."""
     try:
-        apply_mounts(request["mounts"])
+        apply_mounts(request["mounts"], userns)
+        if userns >= 0:
+            os.close(userns)
         socket.sethostname("sandbox")
         loopback_up()
         os.setsid()  # booted: out of this server's session, and so of its lowered priority
@@ -196,13 +283,21 @@ def report(fd: int, text: str) -> None:
 
 def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int, own_pid_namespace: int) -> int:
     """Fork P1 for ``request`` as pid 1 of a new pid namespace; returns its pid here, in the server."""
-    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # for the next child only
+    userns = mapping_namespace(request["user"]) if request.get("idmap") else -1
     try:
-        pid = os.fork()
+        _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # for the next child only
+        try:
+            pid = os.fork()
+        except BaseException:
+            _check(_libc.setns(own_pid_namespace, CLONE_NEWPID), "setns")
+            raise
     except BaseException:
-        _check(_libc.setns(own_pid_namespace, CLONE_NEWPID), "setns")
+        if userns >= 0:
+            os.close(userns)
         raise
     if pid:  # back to forking into our own pid namespace, so that the next unshare works
+        if userns >= 0:
+            os.close(userns)
         _check(_libc.setns(own_pid_namespace, CLONE_NEWPID), "setns")
         return pid
     channel, log, status = fds
@@ -212,7 +307,7 @@ def spawn(request: dict, fds: list[int], control: socket.socket, namespaces: int
         control.close()
         os.close(own_pid_namespace)
         _check(_libc.unshare(namespaces), "unshare")
-        init(request, channel, log, status)
+        init(request, channel, log, status, userns)
     except BaseException:
         report(log, traceback.format_exc())
     finally:
