@@ -2,8 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck valgrind
+APT_PACKAGES := bubblewrap redis-server tmux chromium shellcheck valgrind skopeo umoci git patch
 TORCH_SPEC ?= torch==2.13.0
+# the SWE-bench harness's specs and log parsers, as a library: without its Docker, Modal and dataset dependencies
+SWEBENCH_SPEC := swebench==4.1.0
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -96,6 +98,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[reference,test,swe]"
+	$(PY) -m pip install -q --no-deps "$(SWEBENCH_SPEC)"
 	@touch $(STAMP)
 
 clean:

@@ -471,7 +471,86 @@ def build_parser() -> argparse.ArgumentParser:
         "--into", default=None, help="the environment's directory (default: ROLLOUT_STATE_DIR/harnesses/NAME)"
     )
     install.add_argument("--package", action="append", default=[], metavar="SPEC", help="one more pip requirement")
+    images = sub.add_parser("images", help="this node's image cache: pull (fetch and unpack) images ahead of a run")
+    images_sub = images.add_subparsers(dest="images_command", required=True)
+    pull = images_sub.add_parser(
+        "pull", help="fetch and unpack images into this node's cache (once per digest); one JSON line each"
+    )
+    pull.add_argument(
+        "images", nargs="*", metavar="IMAGE", help="docker://REF, oci:DIR[:TAG], oci-archive:FILE[:TAG], ..."
+    )
+    pull.add_argument(
+        "--rows",
+        default=None,
+        metavar="FILE",
+        help="a JSONL file of swe tasks (SWE-bench rows): pull each one's image (task.image or "
+        "ROLLOUT_SWE_IMAGE_TEMPLATE) and pin its repository at base_commit as an agent's sandbox will",
+    )
+    pull.add_argument(
+        "--shard", default="0/1", metavar="I/N", help="only every N-th image, from the I-th (Slurm arrays)"
+    )
+    images_sub.add_parser("list", help="the unpacked images of this node, one JSON line each")
+    images_sub.add_parser("gc", help="evict least recently used images beyond ROLLOUT_IMAGE_CACHE_MAX_GB")
     return parser
+
+
+def cmd_images(args: argparse.Namespace) -> int:
+    from rollout_service.images import image_cache, parse_image
+
+    cache = image_cache()
+    if args.images_command == "list":
+        for entry in cache.entries():
+            print(json.dumps(entry))
+        return 0
+    if args.images_command == "gc":
+        print(json.dumps({"evicted": cache.evict()}))
+        return 0
+    wanted = [(image, None) for image in args.images] + (_row_images(args.rows) if args.rows else [])
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ConfigError(
+            f"--shard {args.shard!r}: give I/N with 0 <= I < N, e.g. $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT"
+        )
+    failed = 0
+    for image, pin in wanted[int(index) :: int(count)]:
+        began = time.monotonic()
+        try:
+            ref = parse_image(image, "image")
+            cached = (cache.root / "entries" / cache.digest(ref).split(":")[-1] / "meta.json").exists()
+            rootfs = cache.resolve(ref)
+            if pin is not None:
+                from rollout_service.sandbox.image_root import pinned_repo_layer
+
+                pinned_repo_layer(rootfs, *pin)
+        except RolloutError as exc:
+            failed += 1
+            print(json.dumps({"image": image, "error": exc.to_dict()}), flush=True)
+            continue
+        line = {
+            "image": image,
+            "digest": rootfs.digest,
+            "cached": cached,
+            "seconds": round(time.monotonic() - began, 3),
+        }
+        print(json.dumps({**line, **({"pinned": list(pin)} if pin else {})}), flush=True)
+    return 1 if failed else 0
+
+
+def _row_images(path: str) -> list[tuple[str, tuple[str, str] | None]]:
+    from rollout_service.tasks.swe import SweHandler, task_image
+
+    found: list[tuple[str, tuple[str, str] | None]] = []
+    with open(path) as rows:
+        for number, line in enumerate(rows, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            row = row.get("task", row)
+            image = task_image(row)
+            if image is None:
+                raise ConfigError(f"{path}:{number}: the row has no image and ROLLOUT_SWE_IMAGE_TEMPLATE is not set")
+            found.append((image, (SweHandler.repo_dir(row), row["base_commit"]) if row.get("base_commit") else None))
+    return found
 
 
 def cmd_harness(args: argparse.Namespace) -> int:
@@ -507,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_reap(args)
         if args.command == "harness":
             return cmd_harness(args)
+        if args.command == "images":
+            return cmd_images(args)
     except RolloutError as exc:
         print(f"rollout-service: {exc}", file=sys.stderr)
         return 2

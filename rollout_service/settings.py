@@ -94,6 +94,7 @@ class Settings:
     image_cache_max_gb: float = 200.0  # the unpacked images a node keeps; past it the least recently used ones not in use go
     image_starts_per_node: int = 4  # sandboxes of one image starting at once on a node (the others wait their turn)
     image_pull_timeout_s: float = 1800.0  # fetching and unpacking one image
+    swe_eval_timeout_s: float = 1800.0  # one grading of a swe task in its image (the SWE-bench harness allows 1800 s); task.timeout_s may lower it
     swe_image_template: str = ""  # a swe task without image or repo_path gets this image, e.g. docker://swebench/sweb.eval.x86_64.{instance_id}:latest ({instance_id} with __ as _1776_)
     harness_roots: str = ""  # directories (os.pathsep- or comma-separated) agent.harness.env_dir may be under besides state_dir/harnesses
     shutdown_grace_s: float = 15.0  # `up` stopping: each rank of pieces (gateway, workers, backends, Redis) gets this long before it is killed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,20 @@ def build_tiny_image(
 def tiny_image(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The ``oci:`` name of the tiny image (under a directory tests must add to ROLLOUT_IMAGE_ROOTS)."""
     return build_tiny_image(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture
+def image_node(tiny_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This process as a node whose image cache is a fresh directory (returned) and whose workers may
+    read the tiny image's directory (ROLLOUT_IMAGE_ROOTS)."""
+    from rollout_service.images import image_cache
+    from rollout_service.settings import get_settings
+
+    layout = tiny_image.split(":")[1]
+    monkeypatch.setenv("ROLLOUT_IMAGE_ROOTS", str(Path(layout).parent))
+    monkeypatch.setenv("ROLLOUT_IMAGE_CACHE_DIR", str(tmp_path / "image-cache"))
+    get_settings.cache_clear()
+    image_cache.cache_clear()
+    yield tmp_path / "image-cache"
+    get_settings.cache_clear()
+    image_cache.cache_clear()

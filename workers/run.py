@@ -182,6 +182,8 @@ def boot(ctx: StageContext, job: Job, start: EpisodeStart) -> BackgroundStart | 
         max_procs=settings.sandbox_max_procs,
         ttl_s=max(ctx.remaining_s(), 1) + 60,
         read_only=read_only_dirs(harness),
+        workdir=job.prepared.extra.get("workdir", ""),
+        pin_repo=tuple(job.prepared.extra.get("pin_repo") or ()),
     )
     return start.boot(create_sandbox(settings.sandbox, spec, ctx.store.redis))
 

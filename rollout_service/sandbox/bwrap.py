@@ -517,6 +517,9 @@ class BwrapSandbox(ServerSandbox):
         }
         if spec.image is not None:
             self._image = image = ImageRoot.prepare(spec, self.sandbox_id)
+            os.chown(
+                image.scratch / "upper", self._lease.uid, self._lease.uid
+            )  # its root is the sandbox's, as / is root's
             request["mounts"] = image.mount_plan(spec, self.socket_dir or "", HOST_VIEW, image_runtime_paths())
             request["env"] = image.env(self.sandbox_env(), spec.env)
             request["workspace"] = image.workdir(spec)

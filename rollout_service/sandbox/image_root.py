@@ -62,10 +62,11 @@ class ImageRoot:
 
     def env(self, service_env: dict[str, str], spec_env: dict[str, str]) -> dict[str, str]:
         """The image's Env, then what every sandbox gets that the image does not set (never the
-        host's PATH: the image's programs are what its PATH finds), then the job's."""
+        host's PATH: the image's programs are what its PATH finds; nor LC_ALL: the image may lack
+        that locale), then the job's."""
         env = dict(item.split("=", 1) for item in self.rootfs.env if "=" in item)
         for key, value in service_env.items():
-            if key not in env and key != "PATH":
+            if key not in env and key not in ("PATH", "LC_ALL"):
                 env[key] = value
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         env["HOME"] = env.get("HOME") if env.get("HOME") not in (None, "/tmp") else "/root"  # type: ignore[assignment]

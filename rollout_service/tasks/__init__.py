@@ -29,7 +29,7 @@ class TaskSetup:
 
 class DomainHandler(Protocol):
     name: str
-    prepares_cheaply: bool  # prepare is pure or writes a file or two: the run stage does it (no init hop)
+    prepares_cheaply: bool  # prepare is pure or writes a file or two: the run stage does it (no init hop); a handler may decide per task with ``prepares_cheaply_for(task)``
 
     def validate(self, task: dict[str, Any]) -> None: ...
 
@@ -74,7 +74,9 @@ HANDLERS: dict[str, DomainHandler] = _handlers()
 def first_stage(request: JobRequest, settings: Settings) -> str:
     """The queue a job starts on: ``run`` when its domain prepares cheaply (the run worker prepares
     it before the episode, sparing a Celery hop and a Redis round trip), else ``init``."""
-    cheap = getattr(get_handler(request.task["domain"]), "prepares_cheaply", False)
+    handler = get_handler(request.task["domain"])
+    per_task = getattr(handler, "prepares_cheaply_for", None)
+    cheap = per_task(request.task) if per_task is not None else getattr(handler, "prepares_cheaply", False)
     return "run" if cheap and settings.init_in_run else "init"
 
 

@@ -29,9 +29,10 @@ INNER_WORKSPACE = "/workspace"
 READ_CHUNK_BYTES = 16 * 1024
 
 
-def eval_budget_s(task: dict[str, Any]) -> float:
-    """Seconds the graded code may run: ``task.timeout_s`` if given, never above eval_timeout_s."""
-    limit = get_settings().eval_timeout_s
+def eval_budget_s(task: dict[str, Any], limit: float | None = None) -> float:
+    """Seconds the graded code may run: ``task.timeout_s`` if given, never above ``limit``
+    (default: eval_timeout_s)."""
+    limit = get_settings().eval_timeout_s if limit is None else limit
     requested = task.get("timeout_s")
     return min(float(requested), limit) if requested else limit
 

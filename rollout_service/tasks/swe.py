@@ -1,24 +1,27 @@
-"""Software-engineering tasks in the SWE-bench format, resolved like the SWE-bench harness.
+"""Software-engineering tasks: SWE-bench rows (full, Lite, Verified; SWE-Gym, SWE-smith) as
+published, graded exactly like the SWE-bench harness.
 
-Task: ``instance_id, problem_statement, base_commit, test_patch, FAIL_TO_PASS, PASS_TO_PASS``
-(the two test lists as lists or JSON-encoded strings, as in the dataset), plus
-- ``repo_path``: a local git repository on the workers' file system; init fetches the history
-  up to ``base_commit`` (nothing later: the fix must not be in reach) into the job's
-  workspace, which the sandbox mounts at /workspace. ``repo_path`` itself is only read.
-- or ``image`` alone (Singularity, SWE-bench style): the repository is inside the image at
-  ``repo_dir`` (default /testbed) and the agent edits it there.
-Optional: ``test_cmd`` (default ``python -m pytest -rA -p no:cacheprovider``; the test ids
-are appended; it must print pytest's ``-rA`` summary), ``timeout_s`` for the test run (capped by ROLLOUT_EVAL_TIMEOUT_S).
+Task: a row as published (``instance_id, repo, version, problem_statement, base_commit,
+test_patch, FAIL_TO_PASS, PASS_TO_PASS`` with the test lists as JSON strings or lists; every other
+field, ``patch`` and ``hints_text`` included, is accepted and never shown to the policy), plus
+where the repository is:
+- ``image`` (or none, with ROLLOUT_SWE_IMAGE_TEMPLATE): the instance's environment image, the
+  repository at ``repo_dir`` (default /testbed) checked out at ``base_commit``. The agent's
+  sandbox is made from it (on the run node, from its image cache: nothing crosses nodes) with
+  that repository pinned: nothing after ``base_commit`` is in it. Grading runs the harness's eval
+  script for the row's repo and version (``swe_harness``) in a fresh sandbox of the same image.
+- or ``repo_path``: a local git repository on the workers' file system; init fetches the history
+  up to ``base_commit`` into the job's workspace (/workspace); graded with ``test_cmd`` (default
+  pytest ``-rA``), whose pytest summary is parsed.
+Optional: ``test_cmd`` (an image task then grades with it instead of the harness's),
+``timeout_s`` for the test run.
 
 Artifact: ``{"patch", "answer"}``; the patch is ``git add -A && git diff --cached base_commit``,
 computed inside the agent's sandbox (never by git on the host, where hooks and config the
-agent planted would run). Submission for ``POST /v1/score``: ``{"patch"}``.
+agent planted would run). Submission for ``POST /v1/score``: ``{"patch"}`` (or ``model_patch``).
 
-Eval: a fresh copy at ``base_commit`` in a fresh sandbox; ``git apply`` the patch; reset every
-file the test patch touches to ``base_commit`` (so editing tests cannot help); apply the test
-patch; run the FAIL_TO_PASS and PASS_TO_PASS tests; parse pytest's ``-rA`` summary. Resolved
-(reward 1) iff every FAIL_TO_PASS test passed (or xfailed) and every PASS_TO_PASS test passed
-(xfailed or skipped), as in SWE-bench's grading.
+Resolved (reward 1) iff every FAIL_TO_PASS and every PASS_TO_PASS test passed (PASSED or XFAIL),
+as the harness counts.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service.errors import TaskError, ValidationError
+from rollout_service.images import instance_image_name, parse_image
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
-from rollout_service.tasks import TaskSetup, require
+from rollout_service.tasks import TaskSetup, require, swe_harness
 from rollout_service.tasks.sandboxed import (
     eval_budget_s,
     grading_run,
@@ -59,7 +63,6 @@ ARTIFACT_PATCH = (
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
 IGNORED_IN_DIFF = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
 PASSING = {"PASSED", "XFAIL"}
-MAINTAINED = PASSING | {"SKIPPED"}
 _STATUS_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+?)\s*$", re.MULTILINE)
 _STAGE = re.compile(r"ROLLOUT-STAGE ([\w-]+)(?: (\d+))?")
 _SHA = re.compile(r"[0-9a-fA-F]{7,40}")
@@ -86,6 +89,22 @@ def test_ids(task: dict[str, Any], name: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
         raise ValidationError(f"task.{name} must be a list of pytest node ids (strings)")
     return value
+
+
+def task_image(task: dict[str, Any]) -> str | None:
+    """The task's image: ``task.image``, or for a task without ``repo_path`` the one
+    ROLLOUT_SWE_IMAGE_TEMPLATE names for its instance; None for a repo_path task."""
+    if task.get("image") is not None:
+        return str(task["image"])
+    template = get_settings().swe_image_template
+    if task.get("repo_path") is None and template and isinstance(task.get("instance_id"), str):
+        return instance_image_name(template, task["instance_id"])
+    return None
+
+
+def graded_by_harness(task: dict[str, Any]) -> bool:
+    """An image task without its own test_cmd: graded by the SWE-bench harness's eval script."""
+    return task_image(task) is not None and task.get("test_cmd") is None
 
 
 def touched_files(patch: str) -> list[str]:
@@ -239,39 +258,55 @@ class SweHandler:
             )
         require(task, "test_patch", str, self.name)
         if not test_ids(task, "FAIL_TO_PASS"):
-            raise ValidationError("task.FAIL_TO_PASS must name at least one test (a pytest node id)")
+            raise ValidationError("task.FAIL_TO_PASS must name at least one test")
         test_ids(task, "PASS_TO_PASS")
-        if task.get("repo_path") is None and task.get("image") is None:
-            raise ValidationError(
-                "task.repo_path (a local git repository, for bwrap) or task.image "
-                "(for singularity) is required for domain 'swe'"
-            )
-        if task.get("repo_path") is not None:
-            if not os.path.isabs(require(task, "repo_path", str, self.name)):
-                raise ValidationError(f"task.repo_path must be an absolute path, got {task['repo_path']!r}")
-            allowed_repo_path(task["repo_path"])
-        for name in ("image", "test_cmd"):
+        for name in ("image", "test_cmd", "repo_path", "repo_dir"):
             if task.get(name) is not None:
                 require(task, name, str, self.name)
-        if task.get("repo_dir") is not None and not os.path.isabs(require(task, "repo_dir", str, self.name)):
+        if task.get("repo_dir") is not None and not os.path.isabs(task["repo_dir"]):
             raise ValidationError(f"task.repo_dir must be an absolute path inside the image, got {task['repo_dir']!r}")
         timeout = task.get("timeout_s")
         if timeout is not None and not (
             isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
         ):
             raise ValidationError(f"task.timeout_s must be a positive number of seconds, got {timeout!r}")
+        if task.get("repo_path") is not None:
+            if not os.path.isabs(task["repo_path"]):
+                raise ValidationError(f"task.repo_path must be an absolute path, got {task['repo_path']!r}")
+            allowed_repo_path(task["repo_path"])
+            return
+        image = task_image(task)
+        if image is None:
+            raise ValidationError(
+                "task.image is required for domain 'swe' (the instance's environment image: docker://REF, "
+                "oci:DIR:TAG, oci-archive:FILE, docker-archive:FILE), unless ROLLOUT_SWE_IMAGE_TEMPLATE names "
+                "one per instance; or task.repo_path, a local git repository"
+            )
+        field = "task.image" if task.get("image") is not None else "ROLLOUT_SWE_IMAGE_TEMPLATE"
+        parse_image(image, field)
+        if graded_by_harness(task):
+            for name in ("repo", "version"):
+                if not isinstance(task.get(name), str):
+                    raise ValidationError(
+                        f"task.{name} is required for an image task graded by the SWE-bench harness "
+                        "(as in the published row), or give task.test_cmd"
+                    )
+            swe_harness.eval_script(task, self.repo_dir(task))
+
+    def prepares_cheaply_for(self, task: dict[str, Any]) -> bool:
+        """An image task prepares nothing on disk: the run stage prepares it on its own node."""
+        return task.get("repo_path") is None
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
-        clear_directory(workspace)
-        if task.get("repo_path"):
-            materialize(task["repo_path"], task["base_commit"], workspace, shallow=False)
-        elif get_settings().sandbox not in ("singularity", "apptainer"):
-            raise TaskError(
-                f"task {task['instance_id']} has only an image, which needs ROLLOUT_SANDBOX="
-                f"singularity (this worker uses {get_settings().sandbox}); give task.repo_path "
-                "to run it with bwrap"
-            )
         repo_dir = self.repo_dir(task)
+        image = None
+        extra: dict[str, Any] = {"repo_dir": repo_dir}
+        if task.get("repo_path"):
+            clear_directory(workspace)
+            materialize(task["repo_path"], task["base_commit"], workspace, shallow=False)
+        else:
+            image = task_image(task)
+            extra.update(workdir=repo_dir, pin_repo=[repo_dir, task["base_commit"]])
         user = (
             f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
             f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "
@@ -283,8 +318,8 @@ class SweHandler:
                 {"role": "user", "content": user},
             ],
             tools=self.tools,
-            image=task.get("image"),
-            extra={"repo_dir": repo_dir},
+            image=image,
+            extra=extra,
             finish_hint=" When you are done, call finish.",
         )
 
@@ -321,31 +356,47 @@ class SweHandler:
         patch = submission.get("model_patch") if patch is None else patch
         if not isinstance(patch, str) or not patch.strip():
             return self._report(fail_to_pass, pass_to_pass, {}, "empty-patch", "", "")
-        budget_s = eval_budget_s(task)
+        image, by_harness = task_image(task), graded_by_harness(task)
+        budget_s = eval_budget_s(task, get_settings().swe_eval_timeout_s if image else None)
         with grading_workspace("swe") as workspace:
             if task.get("repo_path"):
                 materialize(task["repo_path"], task["base_commit"], workspace / "repo", shallow=True)
+            repo_dir = self.repo_dir(task, "/workspace/repo")
             (workspace / "model.patch").write_text(patch if patch.endswith("\n") else patch + "\n")
             (workspace / "test.patch").write_text(task["test_patch"])
-            (workspace / "grade.sh").write_text(
-                grading_script(task, self.repo_dir(task, "/workspace/repo"), fail_to_pass + pass_to_pass, budget_s)
-            )
-            _, output = grading_run(workspace, task.get("image"), budget_s, ("bash", "/workspace/grade.sh"))
+            if by_harness:
+                (workspace / "eval.sh").write_text(swe_harness.eval_script(task, repo_dir))
+                script = harness_grading_script(repo_dir, budget_s)
+            else:
+                script = grading_script(task, repo_dir, fail_to_pass + pass_to_pass, budget_s)
+            (workspace / "grade.sh").write_text(script)
+            _, output = grading_run(workspace, image, budget_s, ("bash", "/workspace/grade.sh"))
             log = read_untrusted_file(workspace / "test.log", MAX_LOG_BYTES)
             apply_log = read_untrusted_file(workspace / "apply.log", LOG_TAIL_CHARS)
         stages = _STAGE.findall(output)
         stage = "-".join(filter(None, stages[-1])) if stages else "grader-timeout"
-        statuses = parse_pytest_log(log, fail_to_pass + pass_to_pass)
-        return self._report(fail_to_pass, pass_to_pass, statuses, stage, log, apply_log)
+        if not by_harness:
+            statuses = parse_pytest_log(log, fail_to_pass + pass_to_pass)
+            return self._report(fail_to_pass, pass_to_pass, statuses, stage, log, apply_log)
+        statuses = swe_harness.test_statuses(task, log) if stage.startswith("tests-exited") else {}
+        resolved = stage.startswith("tests-exited") and swe_harness.resolution(task, statuses)["resolved"]
+        return self._report(fail_to_pass, pass_to_pass, statuses, stage, log, apply_log, resolved)
 
     @staticmethod
     def _report(
-        fail_to_pass: list[str], pass_to_pass: list[str], statuses: dict[str, str], stage: str, log: str, apply_log: str
+        fail_to_pass: list[str],
+        pass_to_pass: list[str],
+        statuses: dict[str, str],
+        stage: str,
+        log: str,
+        apply_log: str,
+        resolved: bool | None = None,
     ) -> ScoreResponse:
         f2p = [t for t in fail_to_pass if statuses.get(t) in PASSING]
-        p2p = [t for t in pass_to_pass if statuses.get(t) in MAINTAINED]
-        ran = stage.startswith("tests-exited")
-        resolved = ran and len(f2p) == len(fail_to_pass) and len(p2p) == len(pass_to_pass)
+        p2p = [t for t in pass_to_pass if statuses.get(t) in PASSING]
+        if resolved is None:
+            ran = stage.startswith("tests-exited")
+            resolved = ran and len(f2p) == len(fail_to_pass) and len(p2p) == len(pass_to_pass)
         details: dict[str, Any] = {
             "resolved": resolved,
             "patch_applied": stage not in ("empty-patch", "patch-failed", "no-repo", "grader-timeout"),
@@ -359,6 +410,27 @@ class SweHandler:
         if not resolved and log:
             details["log_tail"] = log[-LOG_TAIL_CHARS:]
         return ScoreResponse(reward=1.0 if resolved else 0.0, details=details)
+
+
+def harness_grading_script(repo_dir: str, budget_s: float) -> str:
+    """Apply the model patch with the harness's fallbacks, then run the harness's eval script
+    (/workspace/eval.sh), its output to /workspace/test.log, each step announced by a
+    ``ROLLOUT-STAGE`` line."""
+    attempts = "\n".join(
+        f"  {command} /workspace/model.patch >> /workspace/apply.log 2>&1 && {{ applied=1; break; }}"
+        for command in swe_harness.apply_patch_commands()
+    )
+    return f"""#!/bin/bash
+cd {shlex.quote(repo_dir)} || {{ echo "ROLLOUT-STAGE no-repo"; exit 0; }}
+applied=""
+for _ in once; do
+{attempts}
+done
+if [ -n "$applied" ]; then echo "ROLLOUT-STAGE patch-applied"; else echo "ROLLOUT-STAGE patch-failed"; exit 0; fi
+echo "ROLLOUT-STAGE tests-started"
+timeout -k 5 {budget_s:g} bash /workspace/eval.sh > /workspace/test.log 2>&1
+echo "ROLLOUT-STAGE tests-exited $?"
+"""
 
 
 def grading_script(task: dict[str, Any], repo_dir: str, tests: list[str], budget_s: float) -> str:

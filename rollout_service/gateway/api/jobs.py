@@ -344,5 +344,7 @@ def score() -> Response:
         )
     result = json.loads(answer)
     if "error" in result:
-        return reply(result, 400 if result["error"]["code"] in ("invalid_request", "task_error", "image_error") else 500)
+        return reply(
+            result, 400 if result["error"]["code"] in ("invalid_request", "task_error", "image_error") else 500
+        )
     return reply(result)
