@@ -125,6 +125,7 @@ class SandboxError(RolloutError):
 class ImageError(SandboxError):
     """An image could not be fetched, verified or unpacked (names the image and what failed)."""
 
+    http_status = 400
     code = "image_error"
 
 

@@ -158,9 +158,11 @@ class RolloutClient:
         doc = self._call("GET", "/v1/jobs", params=params)
         return [JobView.model_validate(v) for v in doc["jobs"]], doc["cursor"]
 
-    def score(self, task: dict[str, Any], submission: dict[str, Any]) -> ScoreResponse:
+    def score(self, task: dict[str, Any], submission: dict[str, Any], timeout_s: float = 1900.0) -> ScoreResponse:
+        """Grade ``submission``; waits as long as the gateway does (a SWE image's tests may take the
+        harness's 1800 s)."""
         return ScoreResponse.model_validate(
-            self._call("POST", "/v1/score", json={"task": task, "submission": submission})
+            self._call("POST", "/v1/score", json={"task": task, "submission": submission}, timeout=timeout_s)
         )
 
     # -- backends ---------------------------------------------------------------------

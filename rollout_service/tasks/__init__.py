@@ -88,6 +88,13 @@ def quick_score(handler: DomainHandler, task: dict[str, Any], submission: dict[s
     return scorer(task, submission) if scorer is not None else None
 
 
+def grading_wait_s(task: dict[str, Any], settings: Settings) -> float:
+    """How long ``POST /v1/score`` waits for the task's grading: its domain's limit
+    (``grading_limit_s(task)``, default eval_timeout_s) and 30 s for the sandbox around it."""
+    limit = getattr(get_handler(task["domain"]), "grading_limit_s", None)
+    return (limit(task) if limit is not None else settings.eval_timeout_s) + 30
+
+
 def get_handler(domain: str) -> DomainHandler:
     try:
         return HANDLERS[domain]

@@ -293,6 +293,11 @@ class SweHandler:
                     )
             swe_harness.eval_script(task, self.repo_dir(task))
 
+    def grading_limit_s(self, task: dict[str, Any]) -> float:
+        """An image task's tests get the harness's time (swe_eval_timeout_s), a repo_path task's eval_timeout_s."""
+        settings = get_settings()
+        return eval_budget_s(task, settings.swe_eval_timeout_s if task_image(task) else None)
+
     def prepares_cheaply_for(self, task: dict[str, Any]) -> bool:
         """An image task prepares nothing on disk: the run stage prepares it on its own node."""
         return task.get("repo_path") is None
@@ -357,7 +362,7 @@ class SweHandler:
         if not isinstance(patch, str) or not patch.strip():
             return self._report(fail_to_pass, pass_to_pass, {}, "empty-patch", "", "")
         image, by_harness = task_image(task), graded_by_harness(task)
-        budget_s = eval_budget_s(task, get_settings().swe_eval_timeout_s if image else None)
+        budget_s = self.grading_limit_s(task)
         with grading_workspace("swe") as workspace:
             if task.get("repo_path"):
                 materialize(task["repo_path"], task["base_commit"], workspace / "repo", shallow=True)

@@ -56,7 +56,7 @@ from rollout_service.state.codec import unpack
 from rollout_service.state.enqueue import Enqueue
 from rollout_service.state.keys import FINISHED_CHANNEL, new_id
 from rollout_service.state.store import JobStore
-from rollout_service.tasks import first_stage
+from rollout_service.tasks import first_stage, grading_wait_s
 
 blueprint = Blueprint("jobs", __name__)
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ def score() -> Response:
     score_id = new_id("score")
     jobs.put_blob(score_id, "score-request", req.model_dump(mode="json"))
     enqueuer().submit_score(score_id)
-    timeout_s = settings().eval_timeout_s + 30
+    timeout_s = grading_wait_s(req.task, settings())
     answer = jobs.pop_within(JobStore.key(score_id, "score-result"), timeout_s)
     if answer is None:
         raise ScoringTimeout(
