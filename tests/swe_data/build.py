@@ -1,0 +1,724 @@
+#!/usr/bin/env python3
+"""Build SWE-bench-layout OCI images for real SWE-bench instances, without Docker.
+
+    python tests/swe_data/build.py --out DIR [INSTANCE_ID ...]
+
+For every instance directory ``tests/swe_data/<instance_id>/`` (or the ones named) this
+builds an OCI image layout ``DIR/layout`` holding one tag per instance, named by the
+harness's rule (``sweb.eval.x86_64.<id with __ -> _1776_>``), and prints one JSON line
+per instance: ``{"instance_id", "image": "oci:DIR/layout:TAG", "layout", "tag", ...}``.
+
+The image is laid out like the official ``swebench/sweb.eval.x86_64.*`` images:
+
+* a Debian bookworm root (``mmdebstrap --variant=minbase``), built once and reused;
+* the repository at ``/testbed``, whose HEAD is exactly the row's ``base_commit``
+  (recreated from the PyPI sdist of a nearby release plus a small vendored overlay,
+  checked against the commit's tree sha and the commit sha), plus one later commit
+  (base + the gold patch) on ``refs/remotes/origin/<branch>``, a tag and a reflog
+  entry -- the "future" that a published image can leak;
+* the harness's Python environment in a venv at ``/opt/miniconda3/envs/testbed`` and
+  ``/opt/miniconda3/bin/activate`` so that ``source /opt/miniconda3/bin/activate &&
+  conda activate testbed`` works in bash.
+
+Per instance the vendored data is: ``row.json`` (the published row, untouched),
+``meta.json`` (sdist, paths to delete, environment spec), ``base_commit.obj`` (the raw
+commit object), ``overlay.tar.xz`` (every file of the tree that the sdist lacks or has
+differently) and ``requirements.txt`` when the harness installs one.
+
+Results are cached under DIR by a hash of this file plus the instance's data, so a
+second run is instant.  ``build.py prepare`` (see --help) makes an instance's data from
+a clone of the real repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = Path(os.environ.get("ROLLOUT_SWE_DATA") or HERE)
+DATA_FILES = ("row.json", "meta.json", "base_commit.obj", "overlay.tar.xz", "requirements.txt")
+
+SUITE = "bookworm"
+BASE_PACKAGES = [
+    "bash", "ca-certificates", "coreutils", "git", "patch", "procps", "python3", "python3-venv",
+]
+# Bump to force a rebuild of the base root (its recipe is the lines above).
+BASE_RECIPE_VERSION = "1"
+HOST_TOOLS = {"mmdebstrap": "mmdebstrap", "skopeo": "skopeo", "umoci": "umoci", "bwrap": "bubblewrap",
+              "git": "git", "xz": "xz-utils"}
+IMAGE_ENV = [
+    "PATH=/opt/miniconda3/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "DEBIAN_FRONTEND=noninteractive",
+    "TZ=Etc/UTC",
+]
+ENV_DIR = "/opt/miniconda3/envs/testbed"
+FUTURE_IDENTITY = ("SWE-bench fixture", "fixture@swe-bench.invalid")
+
+ACTIVATE_SCRIPT = r"""# Stand-in for miniconda's activate script: `source /opt/miniconda3/bin/activate &&
+# conda activate testbed` works as in the official SWE-bench images.
+export CONDA_EXE=/opt/miniconda3/bin/conda
+export CONDA_ROOT=/opt/miniconda3
+export CONDA_SHLVL="${CONDA_SHLVL:-0}"
+conda() {
+    case "$1" in
+        activate)
+            local name="${2:-base}"
+            local prefix
+            if [ "$name" = base ]; then
+                prefix=/opt/miniconda3
+            elif [ -d "$name" ]; then
+                prefix="$name"
+            else
+                prefix="/opt/miniconda3/envs/$name"
+            fi
+            if [ "$prefix" != /opt/miniconda3 ]; then
+                if [ ! -f "$prefix/bin/activate" ]; then
+                    echo "EnvironmentNameNotFound: Could not find conda environment: $name" >&2
+                    return 1
+                fi
+                if [ -n "${VIRTUAL_ENV:-}" ] && type deactivate >/dev/null 2>&1; then
+                    deactivate
+                fi
+                VIRTUAL_ENV_DISABLE_PROMPT=1 . "$prefix/bin/activate"
+            fi
+            export CONDA_DEFAULT_ENV="$name"
+            export CONDA_PREFIX="$prefix"
+            export CONDA_SHLVL=$((CONDA_SHLVL + 1))
+            ;;
+        deactivate)
+            if [ -n "${VIRTUAL_ENV:-}" ] && type deactivate >/dev/null 2>&1; then
+                deactivate
+            fi
+            if [ "${CONDA_DEFAULT_ENV:-base}" != base ]; then
+                export CONDA_DEFAULT_ENV=base
+                export CONDA_PREFIX=/opt/miniconda3
+            else
+                unset CONDA_DEFAULT_ENV CONDA_PREFIX
+            fi
+            if [ "$CONDA_SHLVL" -gt 0 ]; then export CONDA_SHLVL=$((CONDA_SHLVL - 1)); fi
+            ;;
+        info|env)
+            if [ "$1 ${2:-}" = "env list" ] || [ "$1 ${2:-}" = "info --envs" ]; then
+                echo "# conda environments:"
+                echo "base                     /opt/miniconda3"
+                for d in /opt/miniconda3/envs/*/; do
+                    d="${d%/}"; echo "$(basename "$d")                  $d"
+                done
+            else
+                echo "conda stand-in: only activate, deactivate, env list" >&2; return 1
+            fi
+            ;;
+        *)
+            echo "conda stand-in: only activate, deactivate, env list" >&2
+            return 1
+            ;;
+    esac
+}
+conda activate base
+"""
+CONDA_SCRIPT = """#!/bin/bash
+# conda stand-in: `conda activate` needs `source /opt/miniconda3/bin/activate` first.
+. /opt/miniconda3/bin/activate
+conda "$@"
+"""
+GITCONFIG = """[user]
+\temail = setup@swebench.config
+\tname = SWE-bench
+"""
+
+
+class BuildError(RuntimeError):
+    def __init__(self, step: str, message: str, log: Path | None = None):
+        self.step, self.log = step, log
+        tail = ""
+        if log is not None and log.exists():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        super().__init__(f"step {step!r} failed: {message}" + (f"\n--- log tail ({log}) ---\n{tail}" if tail else ""))
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def image_tag(instance_id: str) -> str:
+    return f"sweb.eval.x86_64.{instance_id.replace('__', '_1776_')}".lower()
+
+
+def instance_key(data_dir: Path) -> str:
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    for name in DATA_FILES:
+        p = data_dir / name
+        if p.exists():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def base_key() -> str:
+    recipe = json.dumps([SUITE, sorted(BASE_PACKAGES), BASE_RECIPE_VERSION])
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
+class Runner:
+    """Runs commands, appending their output to a log file."""
+
+    def __init__(self, log: Path):
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+
+    def note(self, text: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(text.rstrip("\n") + "\n")
+
+    def run(self, step: str, cmd: list[str], *, cwd: Path | str | None = None, env: dict | None = None,
+            input: bytes | None = None, capture: bool = False) -> bytes:
+        self.note(f"$ {shlex.join(map(str, cmd))}")
+        with open(self.log, "ab") as logf:
+            proc = subprocess.run(
+                [str(c) for c in cmd], cwd=cwd, env=env, input=input,
+                stdout=subprocess.PIPE if capture else logf, stderr=logf,
+            )
+        if proc.returncode != 0:
+            raise BuildError(step, f"{shlex.join(map(str, cmd))} exited {proc.returncode}", self.log)
+        return proc.stdout or b""
+
+
+def git(repo: Path, *args: str, input: bytes | None = None, env: dict | None = None) -> bytes:
+    full_env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", HOME=str(repo), **(env or {}))
+    full_env.pop("GIT_DIR", None)
+    if not (env and "GIT_INDEX_FILE" in env):
+        full_env.pop("GIT_INDEX_FILE", None)
+    proc = subprocess.run(["git", "-C", str(repo), *args], input=input, capture_output=True, env=full_env)
+    if proc.returncode != 0:
+        raise BuildError("git", f"git {' '.join(args)}: {proc.stderr.decode(errors='replace')[-2000:]}")
+    return proc.stdout
+
+
+# ---------------------------------------------------------------------------- host tools
+
+_apt_updated = False
+
+
+def ensure_host_tools(runner: Runner) -> None:
+    global _apt_updated
+    missing = sorted({pkg for tool, pkg in HOST_TOOLS.items() if shutil.which(tool) is None})
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise BuildError("host-tools", f"missing {missing} and not root to apt-get install them")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    if not _apt_updated:
+        runner.run("apt-get update", ["apt-get", "update"], env=env)
+        _apt_updated = True
+    runner.run("apt-get install", ["apt-get", "install", "-y", "--no-install-recommends", *missing], env=env)
+
+
+# ---------------------------------------------------------------------------- base root
+
+def build_base(out: Path, runner: Runner) -> Path:
+    """The Debian root as a tarball, built once per base recipe."""
+    d = out / "base" / base_key()
+    tar = d / "rootfs.tar"
+    if tar.exists():
+        return tar
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / "rootfs.tar.partial"
+    tmp.unlink(missing_ok=True)
+    runner.run("mmdebstrap", [
+        "mmdebstrap", "--variant=minbase", "--mode=root", "--format=tar",
+        "--include=" + ",".join(BASE_PACKAGES),
+        "--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*_dists_*",
+        SUITE, str(tmp),
+    ])
+    tmp.rename(tar)
+    return tar
+
+
+def ensure_layout(out: Path, base_tar: Path, runner: Runner) -> tuple[Path, str]:
+    """The OCI layout with the base root as a tag of its own (the first layer of every image)."""
+    layout = out / "layout"
+    base_tag = f"base-{base_key()}"
+    if not (layout / "index.json").exists():
+        runner.run("umoci init", ["umoci", "init", "--layout", layout])
+    if base_tag in list_tags(layout):
+        return layout, base_tag
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        root = Path(tmp) / "rootfs"
+        root.mkdir()
+        runner.run("extract base", ["tar", "-xf", base_tar, "-C", root, "--numeric-owner"])
+        runner.run("umoci new", ["umoci", "new", "--image", f"{layout}:{base_tag}"])
+        runner.run("umoci insert base", ["umoci", "insert", "--image", f"{layout}:{base_tag}", root, "/"])
+        runner.run("umoci config base", [
+            "umoci", "config", "--image", f"{layout}:{base_tag}", "--os", "linux", "--architecture", "amd64",
+            *sum((["--config.env", e] for e in IMAGE_ENV), []), "--config.cmd", "/bin/bash",
+        ])
+    return layout, base_tag
+
+
+def list_tags(layout: Path) -> list[str]:
+    try:
+        index = json.loads((layout / "index.json").read_text())
+    except FileNotFoundError:
+        return []
+    return [m.get("annotations", {}).get("org.opencontainers.image.ref.name") for m in (index.get("manifests") or [])]
+
+
+# ---------------------------------------------------------------------------- sdist + repository
+
+def fetch_sdist(out: Path, meta: dict, runner: Runner) -> Path:
+    sd = meta["sdist"]
+    cache = out / "sdists"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / sd["filename"]
+    if path.exists() and sha256_file(path) == sd["sha256"]:
+        return path
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        runner.run("pip download sdist", [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            "--disable-pip-version-check", "-d", tmp, f"{sd['name']}=={sd['version']}",
+        ])
+        got = Path(tmp) / sd["filename"]
+        if not got.exists():
+            raise BuildError("pip download sdist", f"{sd['filename']} not downloaded (got {os.listdir(tmp)})", runner.log)
+        if sha256_file(got) != sd["sha256"]:
+            raise BuildError("pip download sdist", f"sha256 of {sd['filename']} differs from meta.json", runner.log)
+        shutil.move(got, path)
+    return path
+
+
+def _safe_extract(tf: tarfile.TarFile, dest: Path, strip_first: bool) -> None:
+    for m in tf.getmembers():
+        name = m.name
+        if strip_first:
+            parts = name.split("/", 1)
+            if len(parts) < 2 or not parts[1]:
+                continue
+            name = parts[1]
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise BuildError("extract", f"unsafe path in archive: {m.name}")
+        m.name = name
+        if m.islnk() and strip_first:
+            m.linkname = m.linkname.split("/", 1)[1]
+        if hasattr(tarfile, "tar_filter"):
+            tf.extract(m, dest, set_attrs=True, numeric_owner=True, filter="tar")
+        else:
+            tf.extract(m, dest, set_attrs=True, numeric_owner=True)
+
+
+def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
+    """Recreate the repository at exactly base_commit in dest; returns facts about it."""
+    row = json.loads((data_dir / "row.json").read_text())
+    meta = json.loads((data_dir / "meta.json").read_text())
+    commit_obj = (data_dir / "base_commit.obj").read_bytes()
+    base = row["base_commit"]
+    tree = re.search(rb"^tree ([0-9a-f]{40})$", commit_obj, re.M).group(1).decode()
+    parents = [p.decode() for p in re.findall(rb"^parent ([0-9a-f]{40})$", commit_obj, re.M)]
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    runner.note(f"# reconstructing {row['repo']}@{base} from {sdist.name} + overlay")
+    with tarfile.open(sdist) as tf:
+        _safe_extract(tf, dest, strip_first=True)
+    for rel in meta.get("delete", []):
+        p = dest / rel
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+    # Directories the sdist had and the tree lacks are gone once empty.
+    for dirpath, dirnames, filenames in os.walk(dest, topdown=False):
+        if dirpath != str(dest) and not os.listdir(dirpath):
+            os.rmdir(dirpath)
+    overlay = data_dir / "overlay.tar.xz"
+    if overlay.exists():
+        for p in meta.get("replace", []):  # paths whose type changes (e.g. file -> symlink)
+            q = dest / p
+            if q.is_symlink() or q.is_file():
+                q.unlink()
+        with tarfile.open(overlay) as tf:
+            _safe_extract(tf, dest, strip_first=False)
+
+    env = {"GIT_INDEX_FILE": str(dest / ".git" / "index")}
+    git(dest, "init", "-q", "-b", meta.get("branch", "main"))
+    # Store blobs byte for byte: no eol/ident/filter conversion while adding.
+    attrs = dest / ".git" / "info" / "attributes"
+    attrs.parent.mkdir(parents=True, exist_ok=True)
+    attrs.write_text("* -text -ident -filter -eol\n")
+    git(dest, "-c", "core.autocrlf=false", "-c", "core.fileMode=true", "-c", "core.symlinks=true",
+        "add", "-A", "-f", ".", env=env)
+    got_tree = git(dest, "write-tree", env=env).decode().strip()
+    if got_tree != tree:
+        listing = git(dest, "ls-files", "-s", env=env).decode()
+        (runner.log.parent / f"{row['instance_id']}.ls-files.txt").write_text(listing)
+        raise BuildError("reconstruct", f"tree {got_tree} != {tree} of {base} (index listing beside the log)",
+                         runner.log)
+    got_commit = git(dest, "hash-object", "-t", "commit", "-w", "--stdin", input=commit_obj).decode().strip()
+    if got_commit != base:
+        raise BuildError("reconstruct", f"commit object hashes to {got_commit}, not {base}", runner.log)
+    attrs.unlink()
+    if parents:
+        (dest / ".git" / "shallow").write_text("".join(p + "\n" for p in sorted(parents)))
+    branch = meta.get("branch", "main")
+    url = f"https://github.com/{row['repo']}.git"
+    git(dest, "config", "remote.origin.url", url)
+    git(dest, "config", "remote.origin.fetch", "+refs/heads/*:refs/remotes/origin/*")
+    git(dest, "config", f"branch.{branch}.remote", "origin")
+    git(dest, "config", f"branch.{branch}.merge", f"refs/heads/{branch}")
+    git(dest, "update-ref", "--create-reflog", "-m", f"clone: from {url}", f"refs/heads/{branch}", base)
+    git(dest, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
+    git(dest, "read-tree", "HEAD", env=env)
+    subprocess.run(["git", "-C", str(dest), "update-index", "-q", "--refresh"], capture_output=True)
+
+    # One later commit: base + the gold patch, reachable from another ref, a tag and a reflog.
+    future = make_future_commit(dest, row, base, tree, branch)
+    return {"base_commit": base, "tree": tree, "parents": parents, "branch": branch, **future}
+
+
+def make_future_commit(dest: Path, row: dict, base: str, tree: str, branch: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        idx = str(Path(tmp) / "index")
+        env = {"GIT_INDEX_FILE": idx}
+        git(dest, "read-tree", tree, env=env)
+        git(dest, "apply", "--cached", "-", input=row["patch"].encode(), env=env)
+        fixed_tree = git(dest, "write-tree", env=env).decode().strip()
+    raw = git(dest, "cat-file", "commit", base)
+    when = re.search(rb"^committer .* (\d+) [+-]\d{4}$", raw, re.M).group(1).decode()
+    stamp = f"{int(when) + 86400} +0000"
+    name, email = FUTURE_IDENTITY
+    cenv = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": stamp,
+            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": stamp}
+    message = f"Fixed {row['instance_id']} (the row's gold patch).\n".encode()
+    future = git(dest, "commit-tree", fixed_tree, "-p", base, input=message, env=cenv).decode().strip()
+    remote_ref = f"refs/remotes/origin/{branch}"
+    tag = f"fix-{row['instance_id'].split('-')[-1]}"
+    git(dest, "update-ref", "--create-reflog", "-m", "fetch origin: fast-forward", remote_ref, future)
+    git(dest, "update-ref", f"refs/tags/{tag}", future)
+    return {"future_commit": future, "future_refs": [remote_ref, f"refs/tags/{tag}"]}
+
+
+# ---------------------------------------------------------------------------- python environment
+
+def host_pip_settings() -> tuple[dict, list[Path]]:
+    """The host's pip configuration as PIP_* variables, and the local paths it refers to."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    settings: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"^[\w-]+\.([\w-]+)='(.*)'$", line.strip())
+        if m:
+            settings["PIP_" + m.group(1).upper().replace("-", "_")] = m.group(2)
+    for k, v in os.environ.items():
+        if k.startswith("PIP_"):
+            settings[k] = v
+    settings.pop("PIP_TARGET", None)
+    settings.pop("PIP_PREFIX", None)
+    settings.pop("PIP_USER", None)
+    paths: list[Path] = []
+    for k, v in settings.items():
+        for word in v.split():
+            if word.startswith("file://"):
+                word = word[len("file://"):].rstrip("/")
+                if word.endswith("/simple"):  # a local index links to files beside it
+                    word = word[: -len("/simple")]
+            if word.startswith("/") and Path(word).exists():
+                paths.append(Path(word))
+    return settings, paths
+
+
+def bwrap_cmd(root: Path, pip_cache: Path, binds: list[Path], argv: list[str], env: dict) -> list[str]:
+    cmd = ["bwrap", "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+           "--die-with-parent", "--clearenv"]
+    resolv = Path("/etc/resolv.conf").resolve()
+    if resolv.exists():
+        cmd += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
+    if Path("/etc/hosts").exists():
+        cmd += ["--ro-bind", "/etc/hosts", "/etc/hosts"]
+    pip_cache.mkdir(parents=True, exist_ok=True)
+    cmd += ["--bind", str(pip_cache), "/root/.cache/pip"]
+    for p in binds:
+        cmd += ["--ro-bind", str(p), str(p)]
+    base_env = {"HOME": "/root", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "LANG": "C.UTF-8", "PIP_ROOT_USER_ACTION": "ignore", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+                "PIP_NO_INPUT": "1"}
+    for k, v in {**base_env, **env}.items():
+        cmd += ["--setenv", k, v]
+    return cmd + argv
+
+
+def install_environment(root: Path, data_dir: Path, out: Path, runner: Runner) -> None:
+    meta = json.loads((data_dir / "meta.json").read_text())
+    spec = meta["env"]
+    settings, binds = host_pip_settings()
+    # Certificates: the host's bundle (it may hold a CA that the package mirror needs).
+    cert = settings.get("PIP_CERT")
+    if cert and Path(cert).exists():
+        binds.append(Path(cert))
+    binds = sorted(set(binds))
+    work = root / "tmp-build"
+    work.mkdir(exist_ok=True)
+    if (data_dir / "requirements.txt").exists():
+        shutil.copy(data_dir / "requirements.txt", work / "requirements.txt")
+    script = ["set -ex", f"python3 -m venv {ENV_DIR}", f". {ENV_DIR}/bin/activate", "cd /testbed"]
+    for cmd in spec.get("pre_install", []):
+        script.append(cmd)
+    if (data_dir / "requirements.txt").exists():
+        script.append("python -m pip install -r /tmp-build/requirements.txt")
+    if spec.get("pip_packages"):
+        script.append("python -m pip install " + " ".join(shlex.quote(p) for p in spec["pip_packages"]))
+    install_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in spec.get("install_env", {}).items())
+    script.append((install_env + " " if install_env else "") + spec["install"])
+    script.append("python -m pip list --format=freeze > /tmp-build/pip-freeze.txt")
+    (work / "setup.sh").write_text("\n".join(script) + "\n")
+    runner.run("install environment", bwrap_cmd(root, out / "pip-cache", binds, ["bash", "/tmp-build/setup.sh"],
+                                                 settings))
+    runner.note("# pip freeze:\n" + (work / "pip-freeze.txt").read_text())
+    shutil.rmtree(work)
+
+
+def write_conda_shims(staging: Path) -> None:
+    bindir = staging / "opt/miniconda3/bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    (bindir / "activate").write_text(ACTIVATE_SCRIPT)
+    (bindir / "conda").write_text(CONDA_SCRIPT)
+    for name in ("activate", "conda"):
+        (bindir / name).chmod(0o755)
+
+
+# ---------------------------------------------------------------------------- one instance
+
+def build_instance(instance_id: str, data_dir: Path, out: Path, base_tar: Path, layout: Path, base_tag: str,
+                   force: bool = False) -> dict:
+    key = instance_key(data_dir)
+    tag = image_tag(instance_id)
+    stamp_path = out / "stamps" / f"{instance_id}.json"
+    if not force and stamp_path.exists():
+        stamp = json.loads(stamp_path.read_text())
+        if stamp.get("key") == key and tag in list_tags(layout):
+            return {**stamp["result"], "cached": True}
+    runner = Runner(out / "logs" / f"{instance_id}.log")
+    runner.log.write_text("")
+    t0 = time.monotonic()
+    meta = json.loads((data_dir / "meta.json").read_text())
+    sdist = fetch_sdist(out, meta, runner)
+    work = out / "work" / instance_id
+    if work.exists():
+        shutil.rmtree(work)
+    root = work / "rootfs"
+    root.mkdir(parents=True)
+    try:
+        runner.run("extract base", ["tar", "-xf", base_tar, "-C", root, "--numeric-owner"])
+        facts = reconstruct_repo(data_dir, sdist, root / "testbed", runner)
+        write_conda_shims(root)
+        (root / "root/.gitconfig").write_text(GITCONFIG)
+        install_environment(root, data_dir, out, runner)
+        # Installing must leave the tracked files as they were.
+        status = subprocess.run(["git", "-C", str(root / "testbed"), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True)
+        if status.stdout.strip():
+            raise BuildError("install environment", f"tracked files changed:\n{status.stdout[:2000]}", runner.log)
+        # The instance layer: only what the instance adds to the base root.
+        staging = work / "layer"
+        staging.mkdir(mode=0o755)
+        (staging / "opt").mkdir(mode=0o755)
+        (staging / "root").mkdir(mode=0o700)
+        os.rename(root / "opt/miniconda3", staging / "opt/miniconda3")
+        os.rename(root / "testbed", staging / "testbed")
+        shutil.copy2(root / "root/.gitconfig", staging / "root/.gitconfig")
+        for p in (staging / "opt", staging / "root"):
+            shutil.copystat(root / p.name, p)
+        if tag in list_tags(layout):
+            runner.run("umoci rm", ["umoci", "rm", "--image", f"{layout}:{tag}"])
+        runner.run("umoci config", [
+            "umoci", "config", "--image", f"{layout}:{base_tag}", "--tag", tag,
+            *sum((["--config.env", e] for e in IMAGE_ENV), []), "--config.workingdir", "/testbed",
+            "--config.cmd", "/bin/bash",
+            "--config.label", f"swebench.instance_id={instance_id}",
+            "--config.label", f"swebench.base_commit={facts['base_commit']}",
+        ])
+        runner.run("umoci insert", ["umoci", "insert", "--image", f"{layout}:{tag}", staging, "/"])
+        runner.run("umoci gc", ["umoci", "gc", "--layout", layout])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "instance_id": instance_id, "image": f"oci:{layout}:{tag}", "layout": str(layout), "tag": tag,
+        "base_commit": facts["base_commit"], "future_commit": facts["future_commit"],
+        "future_refs": facts["future_refs"], "branch": facts["branch"], "key": key,
+        "build_seconds": round(time.monotonic() - t0, 1),
+    }
+    stamp_path.parent.mkdir(parents=True, exist_ok=True)
+    stamp_path.write_text(json.dumps({"key": key, "result": result}, indent=1))
+    return {**result, "cached": False}
+
+
+def available_instances() -> list[str]:
+    return sorted(p.name for p in DATA.iterdir() if (p / "row.json").exists() and (p / "meta.json").exists())
+
+
+@contextlib.contextmanager
+def locked(out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(out: Path, instances: list[str], force: bool = False) -> list[dict]:
+    out = out.resolve()
+    results = []
+    with locked(out):
+        runner = Runner(out / "logs" / "base.log")
+        ensure_host_tools(runner)
+        base_tar = build_base(out, runner)
+        layout, base_tag = ensure_layout(out, base_tar, runner)
+        for iid in instances:
+            data_dir = DATA / iid
+            if not (data_dir / "row.json").exists():
+                raise BuildError("select", f"no data for {iid} in {DATA}")
+            result = build_instance(iid, data_dir, out, base_tar, layout, base_tag, force=force)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    return results
+
+
+# ---------------------------------------------------------------------------- prepare (maintainers)
+
+def prepare(args: argparse.Namespace) -> None:
+    """Make tests/swe_data/<id>/ from a clone of the real repository (needs network to PyPI only)."""
+    rows = json.loads(Path(args.rows).read_text()) if args.rows.endswith(".json") else \
+        [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
+    row = next(r for r in rows if r["instance_id"] == args.instance)
+    repo = Path(args.repo)
+    base = row["base_commit"]
+    dest = DATA / args.instance
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "row.json").write_text(json.dumps(row, indent=1, ensure_ascii=False) + "\n")
+    commit_obj = subprocess.run(["git", "-C", str(repo), "cat-file", "commit", base], check=True,
+                                capture_output=True).stdout
+    (dest / "base_commit.obj").write_bytes(commit_obj)
+    name, version = args.sdist.split("==")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        "-d", tmp, args.sdist], check=True)
+        (sdist,) = Path(tmp).iterdir()
+        sdist_sha = sha256_file(sdist)
+        tree: dict[str, tuple[str, str, str]] = {}
+        out = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", "-z", "--full-tree", base], check=True,
+                             capture_output=True).stdout
+        for entry in out.split(b"\0"):
+            if entry:
+                m, p = entry.split(b"\t", 1)
+                mode, typ, sha = m.decode().split()
+                tree[p.decode()] = (mode, typ, sha)
+        if any(t != "blob" for _, t, _ in tree.values()):
+            raise SystemExit("submodules are not supported")
+        sd: dict[str, tuple[str, str]] = {}
+        sd_dirs: set[str] = set()
+        with tarfile.open(sdist) as tf:
+            for m in tf.getmembers():
+                parts = m.name.split("/", 1)
+                if len(parts) < 2 or not parts[1]:
+                    continue
+                p = parts[1]
+                if m.isdir():
+                    sd_dirs.add(p)
+                    continue
+                data = tf.extractfile(m).read() if m.isfile() else m.linkname.encode()
+                mode = "120000" if m.issym() else ("100755" if m.mode & 0o111 else "100644")
+                sd[p] = (mode, hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+        overlay = sorted(p for p, (mode, _, sha) in tree.items() if sd.get(p) != (mode, sha))
+        delete = sorted(p for p in sd if p not in tree)
+        replace = sorted(p for p in overlay if p in sd and (sd[p][0] == "120000") != (tree[p][0] == "120000"))
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for p in overlay:
+                mode, _, sha = tree[p]
+                blob = subprocess.run(["git", "-C", str(repo), "cat-file", "blob", sha], check=True,
+                                      capture_output=True).stdout
+                ti = tarfile.TarInfo(p)
+                ti.mtime = 0
+                ti.uid = ti.gid = 0
+                ti.uname = ti.gname = ""
+                if mode == "120000":
+                    ti.type = tarfile.SYMTYPE
+                    ti.linkname = blob.decode()
+                    ti.mode = 0o777
+                    tf.addfile(ti)
+                else:
+                    ti.mode = 0o755 if mode == "100755" else 0o644
+                    ti.size = len(blob)
+                    tf.addfile(ti, io.BytesIO(blob))
+        import lzma
+        (dest / "overlay.tar.xz").write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
+    parents = re.findall(rb"^parent ([0-9a-f]{40})$", commit_obj, re.M)
+    old = json.loads((dest / "meta.json").read_text()) if (dest / "meta.json").exists() else {}
+    meta = {
+        "instance_id": row["instance_id"],
+        "repo": row["repo"],
+        "base_commit": base,
+        "tree": re.search(rb"^tree ([0-9a-f]{40})$", commit_obj, re.M).group(1).decode(),
+        "parents": [p.decode() for p in parents],
+        "branch": args.branch,
+        "sdist": {"name": name, "version": version, "filename": sdist.name, "sha256": sdist_sha},
+        "delete": delete,
+        "replace": replace,
+        "overlay_files": len(overlay),
+        "env": old.get("env", {"install": "python -m pip install -e ."}),
+        "test_cmd": old.get("test_cmd", ""),
+    }
+    (dest / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(json.dumps({"instance_id": row["instance_id"], "overlay_files": len(overlay), "delete": len(delete),
+                      "overlay_bytes": (dest / "overlay.tar.xz").stat().st_size}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare"]:
+        p = argparse.ArgumentParser(prog="build.py prepare", description=prepare.__doc__)
+        p.add_argument("--repo", required=True, help="git directory of the real repository")
+        p.add_argument("--rows", required=True, help="published rows (.json list or .jsonl)")
+        p.add_argument("--instance", required=True)
+        p.add_argument("--sdist", required=True, help="NAME==VERSION of the PyPI sdist to start from")
+        p.add_argument("--branch", default="main")
+        prepare(p.parse_args(argv[1:]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="cache / output directory")
+    p.add_argument("--force", action="store_true", help="rebuild the instances even if cached")
+    p.add_argument("--data", type=Path, help="instance data directory (default: $ROLLOUT_SWE_DATA or beside this file)")
+    p.add_argument("instances", nargs="*", help="instance ids (default: all in the data directory)")
+    args = p.parse_args(argv)
+    if args.data:
+        global DATA
+        DATA = args.data.resolve()
+    try:
+        build(args.out, args.instances or available_instances(), force=args.force)
+    except BuildError as e:
+        print(json.dumps({"error": str(e), "step": e.step, "log": str(e.log) if e.log else None}), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
