@@ -182,6 +182,7 @@ def boot(ctx: StageContext, job: Job, start: EpisodeStart) -> BackgroundStart | 
         max_procs=settings.sandbox_max_procs,
         ttl_s=max(ctx.remaining_s(), 1) + 60,
         read_only=read_only_dirs(harness),
+        env=dict(job.prepared.extra.get("env") or {}),
         workdir=job.prepared.extra.get("workdir", ""),
         pin_repo=tuple(job.prepared.extra.get("pin_repo") or ()),
     )

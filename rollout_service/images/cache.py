@@ -59,12 +59,25 @@ def _tail(text: str | bytes) -> str:
     return text.strip()[-OUTPUT_TAIL_CHARS:]
 
 
+def _wait_for_lock(fd: int, mode: int = fcntl.LOCK_EX) -> None:
+    """``flock`` without blocking the process: a green worker's other episodes go on while it waits
+    (for another process's unpack, which may take minutes)."""
+    pause = 0.01
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+
 @contextlib.contextmanager
 def _flock(path: Path, mode: int = fcntl.LOCK_EX) -> Iterator[int]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, mode)
+        _wait_for_lock(fd, mode)
         yield fd
     finally:
         os.close(fd)
@@ -209,7 +222,7 @@ class ImageCache:
     def hold(self, rootfs: Rootfs) -> int:
         """A shared lock on the entry for a sandbox's life (``release`` it): eviction leaves it."""
         fd = os.open(rootfs.entry / "in-use", os.O_CREAT | os.O_RDONLY | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _wait_for_lock(fd, fcntl.LOCK_SH)
         return fd
 
     @staticmethod
@@ -228,9 +241,10 @@ class ImageCache:
             for i in range(self.starts_per_image)
         ]
         try:
-            taken = next((fd for fd in fds if _try_lock(fd)), None)
-            if taken is None:
-                fcntl.flock(fds[os.getpid() % len(fds)], fcntl.LOCK_EX)
+            pause = 0.01
+            while not any(_try_lock(fd) for fd in fds):
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
             yield
         finally:
             for fd in fds:

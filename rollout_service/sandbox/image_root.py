@@ -42,9 +42,17 @@ class ImageRoot:
         assert spec.image is not None
         cache = image_cache()
         ref = parse_image(spec.image)
-        rootfs = cache.resolve(ref)
-        layers = [pinned_repo_layer(rootfs, *spec.pin_repo)] if spec.pin_repo else []
-        hold_fd = cache.hold(rootfs)
+        for _ in range(3):  # held, it cannot be evicted; evicted just before, it is unpacked again
+            rootfs = cache.resolve(ref)
+            hold_fd = cache.hold(rootfs)
+            if (rootfs.entry / "meta.json").exists():
+                break
+            cache.release(hold_fd)
+        try:
+            layers = [pinned_repo_layer(rootfs, *spec.pin_repo)] if spec.pin_repo else []
+        except BaseException:
+            cache.release(hold_fd)
+            raise
         scratch = cache.root / "sandboxes" / sandbox_id
         try:
             for name in ("upper", "work", "root", *(f"lower{i}" for i in range(len(layers) + 1))):
@@ -63,7 +71,7 @@ class ImageRoot:
     def env(self, service_env: dict[str, str], spec_env: dict[str, str]) -> dict[str, str]:
         """The image's Env, then what every sandbox gets that the image does not set (never the
         host's PATH: the image's programs are what its PATH finds; nor LC_ALL: the image may lack
-        that locale), then the job's."""
+        that locale), then the job's (where ``$PATH`` stands for the image's)."""
         env = dict(item.split("=", 1) for item in self.rootfs.env if "=" in item)
         for key, value in service_env.items():
             if key not in env and key not in ("PATH", "LC_ALL"):
@@ -71,7 +79,8 @@ class ImageRoot:
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         env["HOME"] = env.get("HOME") if env.get("HOME") not in (None, "/tmp") else "/root"  # type: ignore[assignment]
         env["ROLLOUT_WORKSPACE"] = INNER_WORKSPACE
-        env.update(spec_env)
+        image_path = env["PATH"]
+        env.update({key: value.replace("$PATH", image_path) for key, value in spec_env.items()})
         return env
 
     def workdir(self, spec: SandboxSpec) -> str:
@@ -172,7 +181,7 @@ branch=$($G symbolic-ref --quiet --short HEAD || echo main)
 new=/workspace/git
 set -e
 $G init -q --bare "$new"
-$G --git-dir="$new" -c protocol.version=2 fetch -q --no-tags --no-write-fetch-head {repo} "$sha:refs/heads/$branch"
+$G --git-dir="$new" -c protocol.version=2 fetch -q --update-shallow --no-tags --no-write-fetch-head {repo} "$sha:refs/heads/$branch"
 $G --git-dir="$new" symbolic-ref HEAD "refs/heads/$branch"
 $G --git-dir="$new" config core.bare false
 $G --git-dir="$new" config user.name rollout-agent

@@ -61,6 +61,11 @@ ARTIFACT_PATCH = (
     "/tmp/rollout-artifact-{}.patch"  # one per extraction, removed after: /tmp is the host's in a local sandbox
 )
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false"
+CONDA_TESTBED_ENV = {  # the agent's shell in a SWE-bench-style image: the instance's env active, as after `conda activate testbed`
+    "PATH": "/opt/miniconda3/envs/testbed/bin:/opt/miniconda3/condabin:$PATH",
+    "CONDA_DEFAULT_ENV": "testbed",
+    "CONDA_PREFIX": "/opt/miniconda3/envs/testbed",
+}
 IGNORED_IN_DIFF = ("__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/")
 PASSING = {"PASSED", "XFAIL"}
 _STATUS_LINE = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (.+?)\s*$", re.MULTILINE)
@@ -311,7 +316,7 @@ class SweHandler:
             materialize(task["repo_path"], task["base_commit"], workspace, shallow=False)
         else:
             image = task_image(task)
-            extra.update(workdir=repo_dir, pin_repo=[repo_dir, task["base_commit"]])
+            extra.update(workdir=repo_dir, pin_repo=[repo_dir, task["base_commit"]], env=dict(CONDA_TESTBED_ENV))
         user = (
             f"{task['problem_statement'].strip()}\n\nThe repository is checked out at {repo_dir} "
             f"(commit {task['base_commit'][:12]}). Resolve the issue by changing the source code; "

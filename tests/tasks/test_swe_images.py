@@ -125,6 +125,7 @@ def test_an_agent_that_fixes_the_repository_with_bash_in_testbed_is_resolved_and
         observations = [m["content"] for m in client.trajectory(fixed_id).messages if m["role"] == "tool"]
         assert observations[0].splitlines()[:2] == ["/testbed", "1"]  # the fix's commit is not in reach
         assert observations[0].splitlines()[2] == "0"  # a clean tree: the image's build leftovers excluded
+        assert observations[0].splitlines()[3] == "/opt/miniconda3/envs/testbed/bin/python"  # the instance's env
         prompt = "\n".join(str(m["content"]) for m in client.trajectory(fixed_id).messages if m["role"] != "tool")
         assert fix.splitlines()[5] not in prompt
         if task.get("hints_text", "").strip():
