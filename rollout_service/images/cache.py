@@ -83,6 +83,17 @@ def _flock(path: Path, mode: int = fcntl.LOCK_EX) -> Iterator[int]:
         os.close(fd)
 
 
+def image_config(layout: Path) -> dict[str, Any]:
+    """The ``config`` object (Env, WorkingDir, ...) of the one image in an OCI layout skopeo wrote."""
+
+    def blob(digest: str) -> dict[str, Any]:
+        algorithm, _, hexdigest = digest.partition(":")
+        return dict(json.loads((layout / "blobs" / algorithm / hexdigest).read_text()))
+
+    manifest = blob(json.loads((layout / "index.json").read_text())["manifests"][0]["digest"])
+    return dict(blob(manifest["config"]["digest"]).get("config") or {})
+
+
 def tree_bytes(path: Path) -> int:
     total = 0
     for root, dirs, files in os.walk(path):
@@ -184,19 +195,17 @@ class ImageCache:
             layout = work / "layout"
             self._run(["skopeo", "copy", "--quiet", ref.name, f"oci:{layout}:{STAGING_TAG}"], f"fetching {ref.name}")
             bundle = work / "bundle"
-            self._run(
-                ["umoci", "unpack", "--rootless", "--image", f"{layout}:{STAGING_TAG}", str(bundle)],
+            bundle.mkdir()
+            self._run(  # raw: the root file system alone, no runtime bundle and no mtree of every file
+                ["umoci", "raw", "unpack", "--rootless", "--image", f"{layout}:{STAGING_TAG}", str(bundle / "rootfs")],
                 f"unpacking {ref.name}",
             )
-            process = json.loads((bundle / "config.json").read_text()).get("process", {})
-            for leftover in bundle.iterdir():
-                if leftover.name != "rootfs":
-                    leftover.unlink()
+            config = image_config(layout)
             meta = {
                 "digest": digest,
                 "name": ref.name,
-                "env": list(process.get("env") or []),
-                "workdir": process.get("cwd") if process.get("cwd") not in (None, "/") else "",
+                "env": list(config.get("Env") or []),
+                "workdir": config.get("WorkingDir") if config.get("WorkingDir") not in (None, "/") else "",
                 "bytes": tree_bytes(bundle / "rootfs"),
                 "unpack_s": round(time.monotonic() - began, 3),
                 "unpacked_at": time.time(),

@@ -146,3 +146,15 @@ def test_an_image_sandbox_without_the_fork_server_is_refused_with_the_way_out(
     get_settings.cache_clear()
     with pytest.raises(SandboxError, match="ROLLOUT_SANDBOX_FORK_SERVER=1"):
         image_box(tiny_image, tmp_path / "ws").start()
+
+
+def test_a_shallow_repository_in_an_image_is_pinned_too(image_node, repo_image, tmp_path, monkeypatch):
+    image, base, _ = repo_image
+    source = Path(image.split(":")[1]).parent / "testbed"
+    shallow = tmp_path / "shallow-image"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{source}", str(shallow / "testbed")], check=True)
+    shallow_image = build_tiny_image(shallow, "shallow", testbed=shallow / "testbed")
+    monkeypatch.setenv("ROLLOUT_IMAGE_ROOTS", f"{Path(image.split(':')[1]).parent},{shallow}")
+    get_settings.cache_clear()
+    with image_box(shallow_image, tmp_path / "ws", workdir="/testbed", pin_repo=("/testbed", base)) as box:
+        assert bash(box, "git log --all --format=%H; git rev-parse --is-shallow-repository") == f"{base}\ntrue"
