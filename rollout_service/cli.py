@@ -295,6 +295,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         job_ids = []
         for spec in tasks:
             body = dict(spec) if "task" in spec else {"task": spec}
+            body["task"] = {**(args.task or {}), **body["task"]}
             for name, value in defaults.items():
                 body[name] = {**value, **(body.get(name) or {})}
             job_ids += client.submit(body.pop("task"), n=args.n, **body).job_ids
@@ -446,6 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--output", default=None, help="write one JSON job view per line here")
     submit.add_argument("--timeout-s", type=float, default=3600.0)
     submit.add_argument("--model", default=None, help="sampling.model: the backend pool to use")
+    submit.add_argument(
+        "--task",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help='fields each task gets unless it has them, e.g. \'{"domain": "swe", "image_template": '
+        '"docker://swebench/sweb.eval.x86_64.{instance_id}:latest"}\' for SWE-bench rows',
+    )
     for name in ("sampling", "agent", "timeouts"):
         submit.add_argument(
             f"--{name}",

@@ -97,12 +97,18 @@ def test_ids(task: dict[str, Any], name: str) -> list[str]:
 
 
 def task_image(task: dict[str, Any]) -> str | None:
-    """The task's image: ``task.image``, or for a task without ``repo_path`` the one
-    ROLLOUT_SWE_IMAGE_TEMPLATE names for its instance; None for a repo_path task."""
+    """The task's image: ``task.image``, or for a task without ``repo_path`` the one its
+    ``image_template`` (a request's default), else ROLLOUT_SWE_IMAGE_TEMPLATE, names for its
+    instance; None for a repo_path task."""
     if task.get("image") is not None:
         return str(task["image"])
-    template = get_settings().swe_image_template
-    if task.get("repo_path") is None and template and isinstance(task.get("instance_id"), str):
+    template = task.get("image_template") or get_settings().swe_image_template
+    if (
+        task.get("repo_path") is None
+        and isinstance(template, str)
+        and template
+        and isinstance(task.get("instance_id"), str)
+    ):
         return instance_image_name(template, task["instance_id"])
     return None
 
@@ -265,7 +271,7 @@ class SweHandler:
         if not test_ids(task, "FAIL_TO_PASS"):
             raise ValidationError("task.FAIL_TO_PASS must name at least one test")
         test_ids(task, "PASS_TO_PASS")
-        for name in ("image", "test_cmd", "repo_path", "repo_dir"):
+        for name in ("image", "image_template", "test_cmd", "repo_path", "repo_dir"):
             if task.get(name) is not None:
                 require(task, name, str, self.name)
         if task.get("repo_dir") is not None and not os.path.isabs(task["repo_dir"]):
@@ -287,7 +293,10 @@ class SweHandler:
                 "oci:DIR:TAG, oci-archive:FILE, docker-archive:FILE), unless ROLLOUT_SWE_IMAGE_TEMPLATE names "
                 "one per instance; or task.repo_path, a local git repository"
             )
-        field = "task.image" if task.get("image") is not None else "ROLLOUT_SWE_IMAGE_TEMPLATE"
+        field = next(
+            (f"task.{name}" for name in ("image", "image_template") if task.get(name) is not None),
+            "ROLLOUT_SWE_IMAGE_TEMPLATE",
+        )
         parse_image(image, field)
         if graded_by_harness(task):
             for name in ("repo", "version"):
