@@ -51,7 +51,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("ROLLOUT_SWE_DATA") or HERE)
-DATA_FILES = ("row.json", "meta.json", "base_commit.obj", "overlay.tar.xz", "requirements.txt")
+DATA_FILES = ("row.json", "meta.json", "base_commit.obj", "overlay.tar.xz", "requirements.txt", "constraints.txt",
+              "parents.json")
 
 SUITE = "bookworm"
 BASE_PACKAGES = [
@@ -376,8 +377,16 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
     if got_commit != base:
         raise BuildError("reconstruct", f"commit object hashes to {got_commit}, not {base}", runner.log)
     attrs.unlink()
+    # The parent commit(s) too, so that `git show`/`git log -p` show the real last change, with
+    # the parents as the shallow boundary (their own parents are not in the repository).
+    parents_file = data_dir / "parents.json"
+    have_parents = parents_file.exists()
+    if have_parents:
+        for psha, info in json.loads(parents_file.read_text()).items():
+            write_parent(dest, tree, psha, info, runner)
     if parents:
-        (dest / ".git" / "shallow").write_text("".join(p + "\n" for p in sorted(parents)))
+        boundary = parents if have_parents else [base]
+        (dest / ".git" / "shallow").write_text("".join(p + "\n" for p in sorted(boundary)))
     branch = meta.get("branch", "main")
     url = f"https://github.com/{row['repo']}.git"
     git(dest, "config", "remote.origin.url", url)
@@ -392,6 +401,30 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
     # One later commit: base + the gold patch, reachable from another ref, a tag and a reflog.
     future = make_future_commit(dest, row, base, tree, branch)
     return {"base_commit": base, "tree": tree, "parents": parents, "branch": branch, **future}
+
+
+def write_parent(dest: Path, base_tree: str, psha: str, info: dict, runner: Runner) -> None:
+    import base64
+    obj = base64.b64decode(info["commit"])
+    ptree = re.search(rb"^tree ([0-9a-f]{40})$", obj, re.M).group(1).decode()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(dest, "read-tree", base_tree, env=env)
+        lines = []
+        for ch in info["changes"]:
+            if ch["blob"] is None:  # added by base_commit
+                lines.append(f"0 {'0' * 40}\t{ch['path']}")
+            else:
+                blob = git(dest, "hash-object", "-t", "blob", "-w", "--no-filters", "--stdin",
+                           input=base64.b64decode(ch["blob"])).decode().strip()
+                lines.append(f"{ch['mode']} {blob}\t{ch['path']}")
+        git(dest, "update-index", "--index-info", input=("\n".join(lines) + "\n").encode(), env=env)
+        got = git(dest, "write-tree", env=env).decode().strip()
+    if got != ptree:
+        raise BuildError("reconstruct", f"parent {psha}: tree {got} != {ptree}", runner.log)
+    got = git(dest, "hash-object", "-t", "commit", "-w", "--stdin", input=obj).decode().strip()
+    if got != psha:
+        raise BuildError("reconstruct", f"parent commit object hashes to {got}, not {psha}", runner.log)
 
 
 def make_future_commit(dest: Path, row: dict, base: str, tree: str, branch: str) -> dict:
@@ -477,6 +510,11 @@ def install_environment(root: Path, data_dir: Path, out: Path, runner: Runner) -
     work.mkdir(exist_ok=True)
     if (data_dir / "requirements.txt").exists():
         shutil.copy(data_dir / "requirements.txt", work / "requirements.txt")
+    if (data_dir / "constraints.txt").exists():
+        # The versions this instance was verified with (the harness leaves most unpinned).
+        shutil.copy(data_dir / "constraints.txt", work / "constraints.txt")
+        settings["PIP_CONSTRAINT"] = " ".join(filter(None, [settings.get("PIP_CONSTRAINT"),
+                                                            "/tmp-build/constraints.txt"]))
     script = ["set -ex", f"python3 -m venv {ENV_DIR}", f". {ENV_DIR}/bin/activate", "cd /testbed"]
     for cmd in spec.get("pre_install", []):
         script.append(cmd)
@@ -672,6 +710,24 @@ def prepare(args: argparse.Namespace) -> None:
         import lzma
         (dest / "overlay.tar.xz").write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
     parents = re.findall(rb"^parent ([0-9a-f]{40})$", commit_obj, re.M)
+    import base64
+    parents_info = {}
+    for psha in (p.decode() for p in parents):
+        pobj = subprocess.run(["git", "-C", str(repo), "cat-file", "commit", psha], check=True,
+                              capture_output=True).stdout
+        diff = subprocess.run(["git", "-C", str(repo), "diff-tree", "-r", "-z", "--no-renames", psha, base],
+                              check=True, capture_output=True).stdout.split(b"\0")
+        changes = []
+        for meta_part, path in zip(diff[0::2], diff[1::2]):
+            old_mode, _new_mode, old_sha, _new_sha, _status = meta_part.decode().lstrip(":").split()
+            if set(old_sha) == {"0"}:
+                changes.append({"path": path.decode(), "mode": None, "blob": None})
+            else:
+                blob = subprocess.run(["git", "-C", str(repo), "cat-file", "blob", old_sha], check=True,
+                                      capture_output=True).stdout
+                changes.append({"path": path.decode(), "mode": old_mode, "blob": base64.b64encode(blob).decode()})
+        parents_info[psha] = {"commit": base64.b64encode(pobj).decode(), "changes": changes}
+    (dest / "parents.json").write_text(json.dumps(parents_info, indent=1) + "\n")
     old = json.loads((dest / "meta.json").read_text()) if (dest / "meta.json").exists() else {}
     meta = {
         "instance_id": row["instance_id"],
