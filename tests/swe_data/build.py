@@ -418,7 +418,8 @@ def write_parent(dest: Path, base_tree: str, psha: str, info: dict, runner: Runn
                 blob = git(dest, "hash-object", "-t", "blob", "-w", "--no-filters", "--stdin",
                            input=base64.b64decode(ch["blob"])).decode().strip()
                 lines.append(f"{ch['mode']} {blob}\t{ch['path']}")
-        git(dest, "update-index", "--index-info", input=("\n".join(lines) + "\n").encode(), env=env)
+        if lines:
+            git(dest, "update-index", "--index-info", input=("\n".join(lines) + "\n").encode(), env=env)
         got = git(dest, "write-tree", env=env).decode().strip()
     if got != ptree:
         raise BuildError("reconstruct", f"parent {psha}: tree {got} != {ptree}", runner.log)
