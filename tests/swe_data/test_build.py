@@ -96,4 +96,6 @@ def test_built_image_has_the_repository_at_base_commit(swe_images: dict, tmp_pat
     ).stdout.splitlines()
     assert out[0] == "env=testbed python=/opt/miniconda3/envs/testbed/bin/python"
     assert out[1] == info["row"]["base_commit"]
-    assert set(out[2:]) == {info["row"]["base_commit"], info["future_commit"]}
+    _, meta, _ = load(iid)
+    # The history: the base commit, its parent(s) (the shallow boundary) and the one later commit.
+    assert set(out[2:]) == {info["row"]["base_commit"], info["future_commit"], *meta["parents"]}
