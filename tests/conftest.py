@@ -30,3 +30,12 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.flushdb()
     yield client
     client.close()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the SWE-bench images now if a collected test uses them (overlaps other tests)."""
+    uses = any("swe_images" in getattr(item, "fixturenames", ()) for item in session.items)
+    if uses and not session.config.option.collectonly:
+        from tests.fixtures_swe import start_swe_image_build
+
+        start_swe_image_build()

@@ -1,33 +1,40 @@
 #!/usr/bin/env python3
-"""Build SWE-bench-layout OCI images for real SWE-bench instances, without Docker.
+"""Build SWE-bench-layout OCI images for SWE-bench instances, without Docker.
 
-    python tests/swe_data/build.py --out DIR [INSTANCE_ID ...]
+    python tests/swe_data/build.py --out DIR [--data DATA] [INSTANCE_ID ...]
 
-For every instance directory ``tests/swe_data/<instance_id>/`` (or the ones named) this
-builds an OCI image layout ``DIR/layout`` holding one tag per instance, named by the
-harness's rule (``sweb.eval.x86_64.<id with __ -> _1776_>``), and prints one JSON line
-per instance: ``{"instance_id", "image": "oci:DIR/layout:TAG", "layout", "tag", ...}``.
+For every instance directory ``DATA/<instance_id>/`` (or the ones named) this builds an
+OCI image layout ``DIR/layout`` holding one tag per instance, named by the harness's rule
+(``sweb.eval.x86_64.<id with __ -> _1776_>``), and prints one JSON line per instance:
+``{"instance_id", "image": "oci:DIR/layout:TAG", "layout", "tag", ...}``.  DATA is
+``--data``, else ``$ROLLOUT_SWE_DATA``, else ``tests/swe_data/ci`` (the instances
+authored for CI).
 
 The image is laid out like the official ``swebench/sweb.eval.x86_64.*`` images:
 
 * a Debian bookworm root (``mmdebstrap --variant=minbase``), built once and reused;
-* the repository at ``/testbed``, whose HEAD is exactly the row's ``base_commit``
-  (recreated from the PyPI sdist of a nearby release plus a small vendored overlay,
-  checked against the commit's tree sha and the commit sha), plus one later commit
-  (base + the gold patch) on ``refs/remotes/origin/<branch>``, a tag and a reflog
-  entry -- the "future" that a published image can leak;
+* the repository at ``/testbed``, whose HEAD is exactly the row's ``base_commit``, plus
+  one later commit (base + the gold patch) on ``refs/remotes/origin/<branch>``, a tag and
+  a reflog entry -- the "future" that a published image can leak;
 * the harness's Python environment in a venv at ``/opt/miniconda3/envs/testbed`` and
   ``/opt/miniconda3/bin/activate`` so that ``source /opt/miniconda3/bin/activate &&
   conda activate testbed`` works in bash.
 
-Per instance the vendored data is: ``row.json`` (the published row, untouched),
-``meta.json`` (sdist, paths to delete, environment spec), ``base_commit.obj`` (the raw
-commit object), ``overlay.tar.xz`` (every file of the tree that the sdist lacks or has
-differently) and ``requirements.txt`` when the harness installs one.
+An instance directory holds ``row.json`` (a row in the published format) and
+``meta.json`` (sdist, environment, and the kind of repository):
+
+* ``"kind": "authored"`` (tests/swe_data/ci): the repository is the PyPI sdist of a
+  release committed as an "import" commit (fixed identity and date, so a fixed sha), less
+  the paths ``meta["delete"]`` names, plus the files under ``files/`` (our own, e.g. a
+  test launcher the sdist lacks); then ``bug.patch`` (a bug we introduce) committed on
+  top, which is ``base_commit``.  The row's gold ``patch`` reverts the bug and its
+  ``test_patch`` adds a test of ours; both are checked to apply at build time.
+* ``"kind": "overlay"`` (the default; data kept outside this repository): the tree of a
+  real commit recreated from an sdist plus ``overlay.tar.xz`` (the files that differ),
+  checked against the raw commit object ``base_commit.obj`` (and ``parents.json``).
 
 Results are cached under DIR by a hash of this file plus the instance's data, so a
-second run is instant.  ``build.py prepare`` (see --help) makes an instance's data from
-a clone of the real repository.
+second run is instant.
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
-import io
 import json
 import os
 import re
@@ -50,9 +56,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATA = Path(os.environ.get("ROLLOUT_SWE_DATA") or HERE)
-DATA_FILES = ("row.json", "meta.json", "base_commit.obj", "overlay.tar.xz", "requirements.txt", "constraints.txt",
-              "parents.json")
+DEFAULT_DATA = HERE / "ci"
+DATA = Path(os.environ.get("ROLLOUT_SWE_DATA") or DEFAULT_DATA)
 
 SUITE = "bookworm"
 BASE_PACKAGES = [
@@ -69,6 +74,7 @@ IMAGE_ENV = [
 ]
 ENV_DIR = "/opt/miniconda3/envs/testbed"
 FUTURE_IDENTITY = ("SWE-bench fixture", "fixture@swe-bench.invalid")
+AUTHORED_IDENTITY = ("rollout-service fixtures", "fixtures@rollout-service.invalid")
 
 ACTIVATE_SCRIPT = r"""# Stand-in for miniconda's activate script: `source /opt/miniconda3/bin/activate &&
 # conda activate testbed` works as in the official SWE-bench images.
@@ -167,11 +173,11 @@ def image_tag(instance_id: str) -> str:
 
 
 def instance_key(data_dir: Path) -> str:
+    """A hash of this builder and of every file of the instance's data."""
     h = hashlib.sha256(Path(__file__).read_bytes())
-    for name in DATA_FILES:
-        p = data_dir / name
-        if p.exists():
-            h.update(name.encode() + b"\0" + p.read_bytes())
+    for p in sorted(q for q in data_dir.rglob("*") if q.is_file() and "__pycache__" not in q.parts):
+        rel = p.relative_to(data_dir).as_posix()
+        h.update(rel.encode() + b"\0" + (b"x" if os.access(p, os.X_OK) else b"-") + p.read_bytes() + b"\0")
     return h.hexdigest()[:20]
 
 
@@ -326,6 +332,124 @@ def _safe_extract(tf: tarfile.TarFile, dest: Path, strip_first: bool) -> None:
             tf.extract(m, dest, set_attrs=True, numeric_owner=True)
 
 
+def make_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
+    """The repository at the row's base_commit in dest, by the instance's kind."""
+    kind = json.loads((data_dir / "meta.json").read_text()).get("kind", "overlay")
+    if kind == "authored":
+        return authored_repo(data_dir, sdist, dest, runner)
+    if kind == "overlay":
+        return reconstruct_repo(data_dir, sdist, dest, runner)
+    raise BuildError("select", f"{data_dir}: unknown kind {kind!r} in meta.json")
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _commit_env(meta_commit: dict) -> dict:
+    name, email = AUTHORED_IDENTITY
+    when = meta_commit["date"]
+    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": when,
+            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": when}
+
+
+def authored_commits(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
+    """The import commit (sdist - delete + files/) and base_commit (+ bug.patch) of an authored
+    instance, in a new repository at dest whose work tree holds the import; returns their shas
+    and trees.  Deterministic: fixed identity, dates and messages from meta.json."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    with tarfile.open(sdist) as tf:
+        _safe_extract(tf, dest, strip_first=True)
+    for pattern in meta.get("delete", []):
+        matches = sorted(dest.glob(pattern))
+        if not matches:
+            raise BuildError("import", f"meta.json delete: {pattern!r} matches nothing in {sdist.name}", runner.log)
+        for p in matches:
+            _remove(p)
+    files = data_dir / "files"
+    if files.is_dir():
+        for src in sorted(files.rglob("*")):
+            if src.is_file():
+                target = dest / src.relative_to(files)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, target)
+                target.chmod(0o755 if os.access(src, os.X_OK) else 0o644)
+    env = {"GIT_INDEX_FILE": str(dest / ".git" / "index")}
+    git(dest, "init", "-q", "-b", meta.get("branch", "main"))
+    attrs = dest / ".git" / "info" / "attributes"
+    attrs.parent.mkdir(parents=True, exist_ok=True)
+    attrs.write_text("* -text -ident -filter -eol\n")  # blobs byte for byte
+    git(dest, "-c", "core.autocrlf=false", "-c", "core.fileMode=true", "-c", "core.symlinks=true",
+        "add", "-A", "-f", ".", env=env)
+    import_tree = git(dest, "write-tree", env=env).decode().strip()
+    imp = meta["import"]
+    import_commit = git(dest, "commit-tree", import_tree, input=imp["message"].encode(),
+                        env=_commit_env(imp)).decode().strip()
+    bug_patch = (data_dir / "bug.patch").read_bytes()
+    try:
+        git(dest, "apply", "--cached", "-", input=bug_patch, env=env)
+    except BuildError as e:
+        raise BuildError("import", f"bug.patch does not apply to {sdist.name}: {e}", runner.log) from None
+    base_tree = git(dest, "write-tree", env=env).decode().strip()
+    if base_tree == import_tree:
+        raise BuildError("import", "bug.patch changes nothing", runner.log)
+    bug = meta["bug"]
+    base = git(dest, "commit-tree", base_tree, "-p", import_commit, input=bug["message"].encode(),
+               env=_commit_env(bug)).decode().strip()
+    attrs.unlink()
+    return {"import_commit": import_commit, "import_tree": import_tree, "base_commit": base, "tree": base_tree}
+
+
+def check_row_patches(dest: Path, row: dict, base_tree: str, gold_tree: str | None, runner: Runner) -> None:
+    """The row's patch and test_patch apply to base_commit (and the patch gives gold_tree)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        for field in ("patch", "test_patch"):
+            git(dest, "read-tree", base_tree, env=env)
+            try:
+                git(dest, "apply", "--cached", "-", input=row[field].encode(), env=env)
+            except BuildError as e:
+                raise BuildError("check patches", f"the row's {field} does not apply to base_commit: {e}",
+                                 runner.log) from None
+            if field == "patch" and gold_tree is not None:
+                got = git(dest, "write-tree", env=env).decode().strip()
+                if got != gold_tree:
+                    raise BuildError("check patches", "the row's patch does not revert bug.patch exactly "
+                                     f"(tree {got}, import tree {gold_tree})", runner.log)
+
+
+def authored_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
+    row = json.loads((data_dir / "row.json").read_text())
+    meta = json.loads((data_dir / "meta.json").read_text())
+    runner.note(f"# authored repository {row['repo']} from {sdist.name} + bug.patch")
+    c = authored_commits(data_dir, sdist, dest, runner)
+    base = c["base_commit"]
+    if base != row["base_commit"]:
+        raise BuildError("import", f"the import + bug.patch commit is {base}, the row's base_commit is "
+                         f"{row['base_commit']}", runner.log)
+    if row.get("environment_setup_commit") not in (c["import_commit"], base):
+        raise BuildError("import", f"environment_setup_commit {row.get('environment_setup_commit')} is neither "
+                         f"the import commit {c['import_commit']} nor base_commit", runner.log)
+    check_row_patches(dest, row, c["tree"], c["import_tree"], runner)
+    branch = meta.get("branch", "main")
+    url = f"https://github.com/{row['repo']}.git"
+    git(dest, "config", "remote.origin.url", url)
+    git(dest, "config", "remote.origin.fetch", "+refs/heads/*:refs/remotes/origin/*")
+    git(dest, "config", f"branch.{branch}.remote", "origin")
+    git(dest, "config", f"branch.{branch}.merge", f"refs/heads/{branch}")
+    git(dest, "update-ref", "--create-reflog", "-m", f"clone: from {url}", f"refs/heads/{branch}", base)
+    git(dest, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
+    git(dest, "reset", "-q", "--hard", base)  # the work tree held the import: now base_commit
+    future = make_future_commit(dest, row, base, c["tree"], branch)
+    return {"base_commit": base, "tree": c["tree"], "parents": [c["import_commit"]], "branch": branch, **future}
+
+
 def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
     """Recreate the repository at exactly base_commit in dest; returns facts about it."""
     row = json.loads((data_dir / "row.json").read_text())
@@ -347,7 +471,7 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
         elif p.is_dir():
             shutil.rmtree(p)
     # Directories the sdist had and the tree lacks are gone once empty.
-    for dirpath, dirnames, filenames in os.walk(dest, topdown=False):
+    for dirpath, _dirnames, _filenames in os.walk(dest, topdown=False):
         if dirpath != str(dest) and not os.listdir(dirpath):
             os.rmdir(dirpath)
     overlay = data_dir / "overlay.tar.xz"
@@ -467,7 +591,7 @@ def host_pip_settings() -> tuple[dict, list[Path]]:
     settings.pop("PIP_PREFIX", None)
     settings.pop("PIP_USER", None)
     paths: list[Path] = []
-    for k, v in settings.items():
+    for v in settings.values():
         for word in v.split():
             if word.startswith("file://"):
                 word = word[len("file://"):].rstrip("/")
@@ -565,7 +689,7 @@ def build_instance(instance_id: str, data_dir: Path, out: Path, base_tar: Path, 
     root.mkdir(parents=True)
     try:
         runner.run("extract base", ["tar", "-xf", base_tar, "-C", root, "--numeric-owner"])
-        facts = reconstruct_repo(data_dir, sdist, root / "testbed", runner)
+        facts = make_repo(data_dir, sdist, root / "testbed", runner)
         write_conda_shims(root)
         (root / "root/.gitconfig").write_text(GITCONFIG)
         install_environment(root, data_dir, out, runner)
@@ -600,7 +724,7 @@ def build_instance(instance_id: str, data_dir: Path, out: Path, base_tar: Path, 
     result = {
         "instance_id": instance_id, "image": f"oci:{layout}:{tag}", "layout": str(layout), "tag": tag,
         "base_commit": facts["base_commit"], "future_commit": facts["future_commit"],
-        "future_refs": facts["future_refs"], "branch": facts["branch"], "key": key,
+        "future_refs": facts["future_refs"], "branch": facts["branch"], "parents": facts["parents"], "key": key,
         "build_seconds": round(time.monotonic() - t0, 1),
     }
     stamp_path.parent.mkdir(parents=True, exist_ok=True)
@@ -641,129 +765,12 @@ def build(out: Path, instances: list[str], force: bool = False) -> list[dict]:
     return results
 
 
-# ---------------------------------------------------------------------------- prepare (maintainers)
-
-def prepare(args: argparse.Namespace) -> None:
-    """Make tests/swe_data/<id>/ from a clone of the real repository (needs network to PyPI only)."""
-    rows = json.loads(Path(args.rows).read_text()) if args.rows.endswith(".json") else \
-        [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.strip()]
-    row = next(r for r in rows if r["instance_id"] == args.instance)
-    repo = Path(args.repo)
-    base = row["base_commit"]
-    dest = DATA / args.instance
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "row.json").write_text(json.dumps(row, indent=1, ensure_ascii=False) + "\n")
-    commit_obj = subprocess.run(["git", "-C", str(repo), "cat-file", "commit", base], check=True,
-                                capture_output=True).stdout
-    (dest / "base_commit.obj").write_bytes(commit_obj)
-    name, version = args.sdist.split("==")
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        "-d", tmp, args.sdist], check=True)
-        (sdist,) = Path(tmp).iterdir()
-        sdist_sha = sha256_file(sdist)
-        tree: dict[str, tuple[str, str, str]] = {}
-        out = subprocess.run(["git", "-C", str(repo), "ls-tree", "-r", "-z", "--full-tree", base], check=True,
-                             capture_output=True).stdout
-        for entry in out.split(b"\0"):
-            if entry:
-                m, p = entry.split(b"\t", 1)
-                mode, typ, sha = m.decode().split()
-                tree[p.decode()] = (mode, typ, sha)
-        if any(t != "blob" for _, t, _ in tree.values()):
-            raise SystemExit("submodules are not supported")
-        sd: dict[str, tuple[str, str]] = {}
-        sd_dirs: set[str] = set()
-        with tarfile.open(sdist) as tf:
-            for m in tf.getmembers():
-                parts = m.name.split("/", 1)
-                if len(parts) < 2 or not parts[1]:
-                    continue
-                p = parts[1]
-                if m.isdir():
-                    sd_dirs.add(p)
-                    continue
-                data = tf.extractfile(m).read() if m.isfile() else m.linkname.encode()
-                mode = "120000" if m.issym() else ("100755" if m.mode & 0o111 else "100644")
-                sd[p] = (mode, hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
-        overlay = sorted(p for p, (mode, _, sha) in tree.items() if sd.get(p) != (mode, sha))
-        delete = sorted(p for p in sd if p not in tree)
-        replace = sorted(p for p in overlay if p in sd and (sd[p][0] == "120000") != (tree[p][0] == "120000"))
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
-            for p in overlay:
-                mode, _, sha = tree[p]
-                blob = subprocess.run(["git", "-C", str(repo), "cat-file", "blob", sha], check=True,
-                                      capture_output=True).stdout
-                ti = tarfile.TarInfo(p)
-                ti.mtime = 0
-                ti.uid = ti.gid = 0
-                ti.uname = ti.gname = ""
-                if mode == "120000":
-                    ti.type = tarfile.SYMTYPE
-                    ti.linkname = blob.decode()
-                    ti.mode = 0o777
-                    tf.addfile(ti)
-                else:
-                    ti.mode = 0o755 if mode == "100755" else 0o644
-                    ti.size = len(blob)
-                    tf.addfile(ti, io.BytesIO(blob))
-        import lzma
-        (dest / "overlay.tar.xz").write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
-    parents = re.findall(rb"^parent ([0-9a-f]{40})$", commit_obj, re.M)
-    import base64
-    parents_info = {}
-    for psha in (p.decode() for p in parents):
-        pobj = subprocess.run(["git", "-C", str(repo), "cat-file", "commit", psha], check=True,
-                              capture_output=True).stdout
-        diff = subprocess.run(["git", "-C", str(repo), "diff-tree", "-r", "-z", "--no-renames", psha, base],
-                              check=True, capture_output=True).stdout.split(b"\0")
-        changes = []
-        for meta_part, path in zip(diff[0::2], diff[1::2]):
-            old_mode, _new_mode, old_sha, _new_sha, _status = meta_part.decode().lstrip(":").split()
-            if set(old_sha) == {"0"}:
-                changes.append({"path": path.decode(), "mode": None, "blob": None})
-            else:
-                blob = subprocess.run(["git", "-C", str(repo), "cat-file", "blob", old_sha], check=True,
-                                      capture_output=True).stdout
-                changes.append({"path": path.decode(), "mode": old_mode, "blob": base64.b64encode(blob).decode()})
-        parents_info[psha] = {"commit": base64.b64encode(pobj).decode(), "changes": changes}
-    (dest / "parents.json").write_text(json.dumps(parents_info, indent=1) + "\n")
-    old = json.loads((dest / "meta.json").read_text()) if (dest / "meta.json").exists() else {}
-    meta = {
-        "instance_id": row["instance_id"],
-        "repo": row["repo"],
-        "base_commit": base,
-        "tree": re.search(rb"^tree ([0-9a-f]{40})$", commit_obj, re.M).group(1).decode(),
-        "parents": [p.decode() for p in parents],
-        "branch": args.branch,
-        "sdist": {"name": name, "version": version, "filename": sdist.name, "sha256": sdist_sha},
-        "delete": delete,
-        "replace": replace,
-        "overlay_files": len(overlay),
-        "env": old.get("env", {"install": "python -m pip install -e ."}),
-        "test_cmd": old.get("test_cmd", ""),
-    }
-    (dest / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(json.dumps({"instance_id": row["instance_id"], "overlay_files": len(overlay), "delete": len(delete),
-                      "overlay_bytes": (dest / "overlay.tar.xz").stat().st_size}))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["prepare"]:
-        p = argparse.ArgumentParser(prog="build.py prepare", description=prepare.__doc__)
-        p.add_argument("--repo", required=True, help="git directory of the real repository")
-        p.add_argument("--rows", required=True, help="published rows (.json list or .jsonl)")
-        p.add_argument("--instance", required=True)
-        p.add_argument("--sdist", required=True, help="NAME==VERSION of the PyPI sdist to start from")
-        p.add_argument("--branch", default="main")
-        prepare(p.parse_args(argv[1:]))
-        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="cache / output directory")
     p.add_argument("--force", action="store_true", help="rebuild the instances even if cached")
-    p.add_argument("--data", type=Path, help="instance data directory (default: $ROLLOUT_SWE_DATA or beside this file)")
+    p.add_argument("--data", type=Path, help="instance data directory (default: $ROLLOUT_SWE_DATA, else tests/swe_data/ci)")
     p.add_argument("instances", nargs="*", help="instance ids (default: all in the data directory)")
     args = p.parse_args(argv)
     if args.data:
