@@ -14,11 +14,13 @@ import pytest
 from tests.fixtures_service import Service, running_service
 from tests.tasks.test_swe import tool_call
 
-RUNNERS = {  # one instance per test runner of the harness
-    "django": "django__django-16400",
-    "sympy": "sympy__sympy-24909",
-    "pytest": "pallets__flask-4992",
-    "pytest, the repository's own": "pytest-dev__pytest-11143",
+pytestmark = pytest.mark.timeout(1800)  # the first test waits for the images' build (a few minutes cold)
+LONG_TURNS = {"max_new_tokens": 12000}  # a turn carrying a whole patch
+RUNNERS = {  # one repository per test runner of the harness
+    "django": "django/django",
+    "sympy": "sympy/sympy",
+    "pytest": "pallets/flask",
+    "pytest, the repository's own": "pytest-dev/pytest",
 }
 
 
@@ -40,15 +42,20 @@ def score(service: Service, task: dict, patch: str) -> dict:
     return response.json()
 
 
-def published(swe_images, instance_id: str) -> dict:
+def instance(swe_images, runner: str) -> dict:
+    """The built instance of ``runner``'s repository (tests/swe_data/ci, or ROLLOUT_SWE_DATA's rows)."""
+    return next(entry for entry in swe_images.values() if entry["row"]["repo"] == RUNNERS[runner])
+
+
+def published(swe_images, runner: str) -> dict:
     """The row exactly as published, with its image: nothing converted, nothing dropped."""
-    entry = swe_images[instance_id]
+    entry = instance(swe_images, runner)
     return {**entry["row"], "domain": "swe", "image": entry["image"]}
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_the_gold_patch_of_a_published_row_resolves_it_and_no_patch_does_not(swe_service, swe_images, runner):
-    task = published(swe_images, RUNNERS[runner])
+    task = published(swe_images, runner)
     assert isinstance(task["FAIL_TO_PASS"], str)  # JSON strings, as published
 
     gold = score(swe_service, task, task["patch"])
@@ -63,7 +70,7 @@ def test_the_gold_patch_of_a_published_row_resolves_it_and_no_patch_does_not(swe
 
 
 def test_a_patch_that_breaks_the_fix_is_graded_zero_with_each_test_s_status(swe_service, swe_images):
-    task = published(swe_images, RUNNERS["pytest"])
+    task = published(swe_images, "pytest")
     reverse = task["test_patch"]  # touching only the tests: the grader resets and re-applies them
     result = score(swe_service, task, reverse)
     assert result["reward"] == 0.0
@@ -89,9 +96,10 @@ def scripted_swe_backend(swe_service: Service, scripted_server, tiny_tokenizer_d
 def test_an_agent_that_fixes_the_repository_with_bash_in_testbed_is_resolved_and_one_that_gives_up_is_not(
     swe_service, swe_images, scripted_swe_backend
 ):
-    task = published(swe_images, RUNNERS["pytest"])
+    task = published(swe_images, "pytest")
     opening = task["problem_statement"].strip().splitlines()[0][:60]
     fix = task["patch"]
+    future = instance(swe_images, "pytest")["future_commit"]
     scripted_swe_backend(
         {
             "episodes": [
@@ -104,7 +112,8 @@ def test_an_agent_that_fixes_the_repository_with_bash_in_testbed_is_resolved_and
                     "turns": [
                         "Where am I?\n"
                         + tool_call(
-                            "bash", command="pwd && git log --all --oneline | wc -l && git status --short | wc -l"
+                            "bash",
+                            command=f"pwd; git cat-file -t {future} 2>/dev/null || echo unreachable; git status --short | wc -l; command -v python",
                         ),
                         "Apply the fix.\n"
                         + tool_call("bash", command=f"git apply <<'EOF'\n{fix}\nEOF\ngit diff --stat"),
@@ -115,17 +124,18 @@ def test_an_agent_that_fixes_the_repository_with_bash_in_testbed_is_resolved_and
         }
     )
     with swe_service.client() as client:
-        (fixed_id,) = client.submit(task, agent={"max_turns": 6}).job_ids
+        (fixed_id,) = client.submit(task, agent={"max_turns": 6}, sampling=LONG_TURNS).job_ids
         gave_up = {**task, "problem_statement": "GIVE-UP " + task["problem_statement"]}
         (gave_up_id,) = client.submit(gave_up, agent={"max_turns": 6}).job_ids
         fixed, quitter = client.wait([fixed_id, gave_up_id], timeout_s=900)
 
         assert fixed.status.value == "completed", fixed.error
-        assert fixed.reward == 1.0, fixed.result["details"]
         observations = [m["content"] for m in client.trajectory(fixed_id).messages if m["role"] == "tool"]
-        assert observations[0].splitlines()[:2] == ["/testbed", "1"]  # the fix's commit is not in reach
-        assert observations[0].splitlines()[2] == "0"  # a clean tree: the image's build leftovers excluded
-        assert observations[0].splitlines()[3] == "/opt/miniconda3/envs/testbed/bin/python"  # the instance's env
+        assert fixed.reward == 1.0, (observations, fixed.result["artifact"], fixed.result["details"]["stage"])
+        where, future, status, python = observations[0].splitlines()[:4]
+        assert where == "/testbed" and future == "unreachable"  # the fix's commit is not in reach
+        assert status == "0"  # a clean tree: what the image's build left untracked is excluded
+        assert python == "/opt/miniconda3/envs/testbed/bin/python"  # the instance's environment is active
         prompt = "\n".join(str(m["content"]) for m in client.trajectory(fixed_id).messages if m["role"] != "tool")
         assert fix.splitlines()[5] not in prompt
         if task.get("hints_text", "").strip():
@@ -136,7 +146,7 @@ def test_an_agent_that_fixes_the_repository_with_bash_in_testbed_is_resolved_and
 
 
 def test_a_published_row_without_its_image_or_with_a_bad_one_is_refused_at_submission(swe_service, swe_images):
-    row = {**swe_images[RUNNERS["django"]]["row"], "domain": "swe"}
+    row = {**instance(swe_images, "django")["row"], "domain": "swe"}
     answer = httpx.post(f"{swe_service.url}/v1/jobs", json={"task": row})
     assert answer.status_code == 400 and "task.image" in answer.json()["error"]["message"]
     for image, said in [
@@ -145,7 +155,7 @@ def test_a_published_row_without_its_image_or_with_a_bad_one_is_refused_at_submi
     ]:
         answer = httpx.post(f"{swe_service.url}/v1/jobs", json={"task": {**row, "image": image}})
         assert answer.status_code == 400 and said in answer.json()["error"]["message"]
-    unknown = {**published(swe_images, RUNNERS["django"]), "version": "0.1"}
+    unknown = {**published(swe_images, "django"), "version": "0.1"}
     answer = httpx.post(f"{swe_service.url}/v1/jobs", json={"task": unknown})
     assert answer.status_code == 400 and "task.version" in answer.json()["error"]["message"]
 
@@ -153,8 +163,8 @@ def test_a_published_row_without_its_image_or_with_a_bad_one_is_refused_at_submi
 def test_an_image_that_cannot_be_fetched_fails_the_job_with_an_image_error_and_no_reward(
     swe_service, swe_images, scripted_swe_backend
 ):
-    entry = swe_images[RUNNERS["pytest"]]
-    task = {**published(swe_images, RUNNERS["pytest"]), "image": f"oci:{entry['layout']}:no-such-tag"}
+    entry = instance(swe_images, "pytest")
+    task = {**published(swe_images, "pytest"), "image": f"oci:{entry['layout']}:no-such-tag"}
     task["problem_statement"] = "NO-SUCH-IMAGE " + task["problem_statement"]
     scripted_swe_backend({"episodes": [{"match": "NO-SUCH-IMAGE", "turns": [tool_call("bash", command="ls")]}]})
     with swe_service.client() as client:
