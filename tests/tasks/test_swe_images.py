@@ -136,7 +136,9 @@ def test_an_agent_that_fixes_the_repository_with_bash_in_testbed_is_resolved_and
         assert where == "/testbed" and future == "unreachable"  # the fix's commit is not in reach
         assert status == "0"  # a clean tree: what the image's build left untracked is excluded
         assert python == "/opt/miniconda3/envs/testbed/bin/python"  # the instance's environment is active
-        prompt = "\n".join(str(m["content"]) for m in client.trajectory(fixed_id).messages if m["role"] != "tool")
+        prompt = "\n".join(
+            str(m["content"]) for m in client.trajectory(fixed_id).messages if m["role"] in ("system", "user")
+        )
         assert fix.splitlines()[5] not in prompt
         if task.get("hints_text", "").strip():
             assert task["hints_text"].strip()[:80] not in prompt
