@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,19 +31,15 @@ def tool_call(name: str, **arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-def build_images(out: Path) -> dict[str, dict]:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "swe_data" / "build.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    images = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {entry["instance_id"]: entry for entry in images}
+def build_images() -> dict[str, dict]:
+    """The suite's SWE images (tests/swe_data, or ROLLOUT_SWE_DATA's rows), built if missing."""
+    from tests.fixtures_swe import build_swe_images
+
+    return build_swe_images()
 
 
-def row_of(instance_id: str) -> dict:
-    return json.loads((ROOT / "tests" / "swe_data" / instance_id / "row.json").read_text())
+def row_of(images: dict[str, dict], instance_id: str) -> dict:
+    return dict(images[instance_id]["row"])
 
 
 def boots(image: str, n: int) -> dict[str, object]:
@@ -87,11 +82,10 @@ def layer_disk(image: str, fix: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=32)
-    parser.add_argument("--images-dir", default=str(Path.home() / ".cache" / "rollout-service-tests" / "swe-images"))
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
 
-    images = build_images(Path(args.images_dir))
+    images = build_images()
     work = Path(tempfile.mkdtemp(prefix="bench-swe-"))
     cache = work / "image-cache"
     roots = ",".join(sorted({str(Path(e["layout"]).parent) for e in images.values()}))
@@ -101,7 +95,7 @@ def main() -> None:
     ids = sorted(images)
     episodes = []
     for instance_id in ids:
-        row = row_of(instance_id)
+        row = row_of(images, instance_id)
         episodes.append(
             {
                 "match": row["problem_statement"].strip().splitlines()[0][:60],
@@ -122,7 +116,7 @@ def main() -> None:
         with local_service(work / "state", **env, ROLLOUT_EVAL_CONCURRENCY="2") as service, service.client() as client:
             client.add_backend(server.url, "vllm", "scripted", tokenizer=str(tokenizer))
             tasks = [
-                {**row_of(ids[i % len(ids)]), "domain": "swe", "image": images[ids[i % len(ids)]]["image"]}
+                {**row_of(images, ids[i % len(ids)]), "domain": "swe", "image": images[ids[i % len(ids)]]["image"]}
                 for i in range(args.jobs)
             ]
             began = time.monotonic()
@@ -138,7 +132,7 @@ def main() -> None:
         result["image_bytes"] = {e["name"].rsplit(":", 1)[-1]: e["bytes"] for e in entries}
         flask = next(i for i in ids if "flask" in i)
         result |= boots(images[flask]["image"], 20)
-        result["layer_bytes_after_fix"] = layer_disk(images[flask]["image"], row_of(flask)["patch"])
+        result["layer_bytes_after_fix"] = layer_disk(images[flask]["image"], row_of(images, flask)["patch"])
     finally:
         server.stop()
     for key, value in result.items():
