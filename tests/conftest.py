@@ -9,7 +9,14 @@ import redis
 
 from rollout_service.devtools.redis_server import RedisServer
 
-pytest_plugins = ["tests.fixtures_service", "tests.fixtures_tokens", "tests.fixtures_slurm", "tests.fixtures_celery", "tests.fixtures_images", "tests.fixtures_swe"]
+pytest_plugins = [
+    "tests.fixtures_service",
+    "tests.fixtures_tokens",
+    "tests.fixtures_slurm",
+    "tests.fixtures_celery",
+    "tests.fixtures_images",
+    "tests.fixtures_swe",
+]
 
 
 @pytest.fixture(scope="session")

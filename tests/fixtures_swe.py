@@ -58,8 +58,7 @@ def _tail(text: str, lines: int = 60) -> str:
 
 
 def _build_cmd(instance_ids: list[str]) -> list[str]:
-    return [sys.executable, str(BUILDER), "--out", str(swe_image_cache()), "--data", str(swe_data_dir()),
-            *instance_ids]
+    return [sys.executable, str(BUILDER), "--out", str(swe_image_cache()), "--data", str(swe_data_dir()), *instance_ids]
 
 
 class _Build:
@@ -74,7 +73,10 @@ class _Build:
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
                 (["nice", "-n", str(niceness)] if niceness else []) + self.cmd,
-                stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
     def stop(self) -> None:
@@ -94,8 +96,10 @@ class _Build:
             self.proc.wait(timeout=max(1.0, BUILD_TIMEOUT - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
             self.stop()
-            raise RuntimeError(f"building the SWE-bench images timed out after {BUILD_TIMEOUT}s: "
-                               f"{' '.join(self.cmd)}\n{_tail(self.err.read_text(errors='replace'))}") from None
+            raise RuntimeError(
+                f"building the SWE-bench images timed out after {BUILD_TIMEOUT}s: "
+                f"{' '.join(self.cmd)}\n{_tail(self.err.read_text(errors='replace'))}"
+            ) from None
         stdout = self.out.read_text(errors="replace")
         stderr = self.err.read_text(errors="replace")
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -106,8 +110,10 @@ class _Build:
                 detail = f"step {err.get('step')!r} failed (log: {err.get('log')}):\n{err.get('error')}"
             except (ValueError, IndexError, AttributeError):
                 pass
-            raise RuntimeError(f"building the SWE-bench images failed (exit {self.proc.returncode}): "
-                               f"{' '.join(self.cmd)}\n{_tail(detail, 80)}")
+            raise RuntimeError(
+                f"building the SWE-bench images failed (exit {self.proc.returncode}): "
+                f"{' '.join(self.cmd)}\n{_tail(detail, 80)}"
+            )
         results = {}
         for line in stdout.splitlines():
             if line.startswith("{"):
@@ -115,8 +121,10 @@ class _Build:
                 results[r["instance_id"]] = r
         missing = sorted(set(self.instance_ids) - set(results))
         if missing:
-            raise RuntimeError(f"the SWE-bench image build printed no result for {missing}: {' '.join(self.cmd)}\n"
-                               f"{_tail(stdout + stderr)}")
+            raise RuntimeError(
+                f"the SWE-bench image build printed no result for {missing}: {' '.join(self.cmd)}\n"
+                f"{_tail(stdout + stderr)}"
+            )
         return results
 
 

@@ -61,12 +61,25 @@ DATA = Path(os.environ.get("ROLLOUT_SWE_DATA") or DEFAULT_DATA)
 
 SUITE = "bookworm"
 BASE_PACKAGES = [
-    "bash", "ca-certificates", "coreutils", "git", "patch", "procps", "python3", "python3-venv",
+    "bash",
+    "ca-certificates",
+    "coreutils",
+    "git",
+    "patch",
+    "procps",
+    "python3",
+    "python3-venv",
 ]
 # Bump to force a rebuild of the base root (its recipe is the lines above).
 BASE_RECIPE_VERSION = "1"
-HOST_TOOLS = {"mmdebstrap": "mmdebstrap", "skopeo": "skopeo", "umoci": "umoci", "bwrap": "bubblewrap",
-              "git": "git", "xz": "xz-utils"}
+HOST_TOOLS = {
+    "mmdebstrap": "mmdebstrap",
+    "skopeo": "skopeo",
+    "umoci": "umoci",
+    "bwrap": "bubblewrap",
+    "git": "git",
+    "xz": "xz-utils",
+}
 IMAGE_ENV = [
     "PATH=/opt/miniconda3/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "DEBIAN_FRONTEND=noninteractive",
@@ -160,6 +173,7 @@ class BuildError(RuntimeError):
 
 # ---------------------------------------------------------------------------- helpers
 
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -197,13 +211,25 @@ class Runner:
         with open(self.log, "a") as f:
             f.write(text.rstrip("\n") + "\n")
 
-    def run(self, step: str, cmd: list[str], *, cwd: Path | str | None = None, env: dict | None = None,
-            input: bytes | None = None, capture: bool = False) -> bytes:
+    def run(
+        self,
+        step: str,
+        cmd: list[str],
+        *,
+        cwd: Path | str | None = None,
+        env: dict | None = None,
+        input: bytes | None = None,
+        capture: bool = False,
+    ) -> bytes:
         self.note(f"$ {shlex.join(map(str, cmd))}")
         with open(self.log, "ab") as logf:
             proc = subprocess.run(
-                [str(c) for c in cmd], cwd=cwd, env=env, input=input,
-                stdout=subprocess.PIPE if capture else logf, stderr=logf,
+                [str(c) for c in cmd],
+                cwd=cwd,
+                env=env,
+                input=input,
+                stdout=subprocess.PIPE if capture else logf,
+                stderr=logf,
             )
         if proc.returncode != 0:
             raise BuildError(step, f"{shlex.join(map(str, cmd))} exited {proc.returncode}", self.log)
@@ -242,6 +268,7 @@ def ensure_host_tools(runner: Runner) -> None:
 
 # ---------------------------------------------------------------------------- base root
 
+
 def build_base(out: Path, runner: Runner) -> Path:
     """The Debian root as a tarball, built once per base recipe."""
     d = out / "base" / base_key()
@@ -251,12 +278,19 @@ def build_base(out: Path, runner: Runner) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / "rootfs.tar.partial"
     tmp.unlink(missing_ok=True)
-    runner.run("mmdebstrap", [
-        "mmdebstrap", "--variant=minbase", "--mode=root", "--format=tar",
-        "--include=" + ",".join(BASE_PACKAGES),
-        "--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*_dists_*",
-        SUITE, str(tmp),
-    ])
+    runner.run(
+        "mmdebstrap",
+        [
+            "mmdebstrap",
+            "--variant=minbase",
+            "--mode=root",
+            "--format=tar",
+            "--include=" + ",".join(BASE_PACKAGES),
+            '--customize-hook=rm -rf "$1"/var/cache/apt/archives/*.deb "$1"/var/lib/apt/lists/*_dists_*',
+            SUITE,
+            str(tmp),
+        ],
+    )
     tmp.rename(tar)
     return tar
 
@@ -275,10 +309,22 @@ def ensure_layout(out: Path, base_tar: Path, runner: Runner) -> tuple[Path, str]
         runner.run("extract base", ["tar", "-xf", base_tar, "-C", root, "--numeric-owner"])
         runner.run("umoci new", ["umoci", "new", "--image", f"{layout}:{base_tag}"])
         runner.run("umoci insert base", ["umoci", "insert", "--image", f"{layout}:{base_tag}", root, "/"])
-        runner.run("umoci config base", [
-            "umoci", "config", "--image", f"{layout}:{base_tag}", "--os", "linux", "--architecture", "amd64",
-            *sum((["--config.env", e] for e in IMAGE_ENV), []), "--config.cmd", "/bin/bash",
-        ])
+        runner.run(
+            "umoci config base",
+            [
+                "umoci",
+                "config",
+                "--image",
+                f"{layout}:{base_tag}",
+                "--os",
+                "linux",
+                "--architecture",
+                "amd64",
+                *sum((["--config.env", e] for e in IMAGE_ENV), []),
+                "--config.cmd",
+                "/bin/bash",
+            ],
+        )
     return layout, base_tag
 
 
@@ -292,6 +338,7 @@ def list_tags(layout: Path) -> list[str]:
 
 # ---------------------------------------------------------------------------- sdist + repository
 
+
 def fetch_sdist(out: Path, meta: dict, runner: Runner) -> Path:
     sd = meta["sdist"]
     cache = out / "sdists"
@@ -300,13 +347,27 @@ def fetch_sdist(out: Path, meta: dict, runner: Runner) -> Path:
     if path.exists() and sha256_file(path) == sd["sha256"]:
         return path
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        runner.run("pip download sdist", [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-            "--disable-pip-version-check", "-d", tmp, f"{sd['name']}=={sd['version']}",
-        ])
+        runner.run(
+            "pip download sdist",
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--disable-pip-version-check",
+                "-d",
+                tmp,
+                f"{sd['name']}=={sd['version']}",
+            ],
+        )
         got = Path(tmp) / sd["filename"]
         if not got.exists():
-            raise BuildError("pip download sdist", f"{sd['filename']} not downloaded (got {os.listdir(tmp)})", runner.log)
+            raise BuildError(
+                "pip download sdist", f"{sd['filename']} not downloaded (got {os.listdir(tmp)})", runner.log
+            )
         if sha256_file(got) != sd["sha256"]:
             raise BuildError("pip download sdist", f"sha256 of {sd['filename']} differs from meta.json", runner.log)
         shutil.move(got, path)
@@ -352,8 +413,14 @@ def _remove(path: Path) -> None:
 def _commit_env(meta_commit: dict) -> dict:
     name, email = AUTHORED_IDENTITY
     when = meta_commit["date"]
-    return {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": when,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": when}
+    return {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_AUTHOR_DATE": when,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email,
+        "GIT_COMMITTER_DATE": when,
+    }
 
 
 def authored_commits(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
@@ -385,12 +452,25 @@ def authored_commits(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
     attrs = dest / ".git" / "info" / "attributes"
     attrs.parent.mkdir(parents=True, exist_ok=True)
     attrs.write_text("* -text -ident -filter -eol\n")  # blobs byte for byte
-    git(dest, "-c", "core.autocrlf=false", "-c", "core.fileMode=true", "-c", "core.symlinks=true",
-        "add", "-A", "-f", ".", env=env)
+    git(
+        dest,
+        "-c",
+        "core.autocrlf=false",
+        "-c",
+        "core.fileMode=true",
+        "-c",
+        "core.symlinks=true",
+        "add",
+        "-A",
+        "-f",
+        ".",
+        env=env,
+    )
     import_tree = git(dest, "write-tree", env=env).decode().strip()
     imp = meta["import"]
-    import_commit = git(dest, "commit-tree", import_tree, input=imp["message"].encode(),
-                        env=_commit_env(imp)).decode().strip()
+    import_commit = (
+        git(dest, "commit-tree", import_tree, input=imp["message"].encode(), env=_commit_env(imp)).decode().strip()
+    )
     bug_patch = (data_dir / "bug.patch").read_bytes()
     try:
         git(dest, "apply", "--cached", "-", input=bug_patch, env=env)
@@ -400,8 +480,11 @@ def authored_commits(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
     if base_tree == import_tree:
         raise BuildError("import", "bug.patch changes nothing", runner.log)
     bug = meta["bug"]
-    base = git(dest, "commit-tree", base_tree, "-p", import_commit, input=bug["message"].encode(),
-               env=_commit_env(bug)).decode().strip()
+    base = (
+        git(dest, "commit-tree", base_tree, "-p", import_commit, input=bug["message"].encode(), env=_commit_env(bug))
+        .decode()
+        .strip()
+    )
     attrs.unlink()
     return {"import_commit": import_commit, "import_tree": import_tree, "base_commit": base, "tree": base_tree}
 
@@ -415,13 +498,17 @@ def check_row_patches(dest: Path, row: dict, base_tree: str, gold_tree: str | No
             try:
                 git(dest, "apply", "--cached", "-", input=row[field].encode(), env=env)
             except BuildError as e:
-                raise BuildError("check patches", f"the row's {field} does not apply to base_commit: {e}",
-                                 runner.log) from None
+                raise BuildError(
+                    "check patches", f"the row's {field} does not apply to base_commit: {e}", runner.log
+                ) from None
             if field == "patch" and gold_tree is not None:
                 got = git(dest, "write-tree", env=env).decode().strip()
                 if got != gold_tree:
-                    raise BuildError("check patches", "the row's patch does not revert bug.patch exactly "
-                                     f"(tree {got}, import tree {gold_tree})", runner.log)
+                    raise BuildError(
+                        "check patches",
+                        f"the row's patch does not revert bug.patch exactly (tree {got}, import tree {gold_tree})",
+                        runner.log,
+                    )
 
 
 def authored_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> dict:
@@ -431,11 +518,18 @@ def authored_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> di
     c = authored_commits(data_dir, sdist, dest, runner)
     base = c["base_commit"]
     if base != row["base_commit"]:
-        raise BuildError("import", f"the import + bug.patch commit is {base}, the row's base_commit is "
-                         f"{row['base_commit']}", runner.log)
+        raise BuildError(
+            "import",
+            f"the import + bug.patch commit is {base}, the row's base_commit is {row['base_commit']}",
+            runner.log,
+        )
     if row.get("environment_setup_commit") not in (c["import_commit"], base):
-        raise BuildError("import", f"environment_setup_commit {row.get('environment_setup_commit')} is neither "
-                         f"the import commit {c['import_commit']} nor base_commit", runner.log)
+        raise BuildError(
+            "import",
+            f"environment_setup_commit {row.get('environment_setup_commit')} is neither "
+            f"the import commit {c['import_commit']} nor base_commit",
+            runner.log,
+        )
     check_row_patches(dest, row, c["tree"], c["import_tree"], runner)
     branch = meta.get("branch", "main")
     url = f"https://github.com/{row['repo']}.git"
@@ -489,14 +583,27 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
     attrs = dest / ".git" / "info" / "attributes"
     attrs.parent.mkdir(parents=True, exist_ok=True)
     attrs.write_text("* -text -ident -filter -eol\n")
-    git(dest, "-c", "core.autocrlf=false", "-c", "core.fileMode=true", "-c", "core.symlinks=true",
-        "add", "-A", "-f", ".", env=env)
+    git(
+        dest,
+        "-c",
+        "core.autocrlf=false",
+        "-c",
+        "core.fileMode=true",
+        "-c",
+        "core.symlinks=true",
+        "add",
+        "-A",
+        "-f",
+        ".",
+        env=env,
+    )
     got_tree = git(dest, "write-tree", env=env).decode().strip()
     if got_tree != tree:
         listing = git(dest, "ls-files", "-s", env=env).decode()
         (runner.log.parent / f"{row['instance_id']}.ls-files.txt").write_text(listing)
-        raise BuildError("reconstruct", f"tree {got_tree} != {tree} of {base} (index listing beside the log)",
-                         runner.log)
+        raise BuildError(
+            "reconstruct", f"tree {got_tree} != {tree} of {base} (index listing beside the log)", runner.log
+        )
     got_commit = git(dest, "hash-object", "-t", "commit", "-w", "--stdin", input=commit_obj).decode().strip()
     if got_commit != base:
         raise BuildError("reconstruct", f"commit object hashes to {got_commit}, not {base}", runner.log)
@@ -529,6 +636,7 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
 
 def write_parent(dest: Path, base_tree: str, psha: str, info: dict, runner: Runner) -> None:
     import base64
+
     obj = base64.b64decode(info["commit"])
     ptree = re.search(rb"^tree ([0-9a-f]{40})$", obj, re.M).group(1).decode()
     with tempfile.TemporaryDirectory() as tmp:
@@ -539,8 +647,20 @@ def write_parent(dest: Path, base_tree: str, psha: str, info: dict, runner: Runn
             if ch["blob"] is None:  # added by base_commit
                 lines.append(f"0 {'0' * 40}\t{ch['path']}")
             else:
-                blob = git(dest, "hash-object", "-t", "blob", "-w", "--no-filters", "--stdin",
-                           input=base64.b64decode(ch["blob"])).decode().strip()
+                blob = (
+                    git(
+                        dest,
+                        "hash-object",
+                        "-t",
+                        "blob",
+                        "-w",
+                        "--no-filters",
+                        "--stdin",
+                        input=base64.b64decode(ch["blob"]),
+                    )
+                    .decode()
+                    .strip()
+                )
                 lines.append(f"{ch['mode']} {blob}\t{ch['path']}")
         if lines:
             git(dest, "update-index", "--index-info", input=("\n".join(lines) + "\n").encode(), env=env)
@@ -563,8 +683,14 @@ def make_future_commit(dest: Path, row: dict, base: str, tree: str, branch: str)
     when = re.search(rb"^committer .* (\d+) [+-]\d{4}$", raw, re.M).group(1).decode()
     stamp = f"{int(when) + 86400} +0000"
     name, email = FUTURE_IDENTITY
-    cenv = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": stamp,
-            "GIT_COMMITTER_NAME": name, "GIT_COMMITTER_EMAIL": email, "GIT_COMMITTER_DATE": stamp}
+    cenv = {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_AUTHOR_DATE": stamp,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email,
+        "GIT_COMMITTER_DATE": stamp,
+    }
     message = f"Fixed {row['instance_id']} (the row's gold patch).\n".encode()
     future = git(dest, "commit-tree", fixed_tree, "-p", base, input=message, env=cenv).decode().strip()
     remote_ref = f"refs/remotes/origin/{branch}"
@@ -575,6 +701,7 @@ def make_future_commit(dest: Path, row: dict, base: str, tree: str, branch: str)
 
 
 # ---------------------------------------------------------------------------- python environment
+
 
 def host_pip_settings() -> tuple[dict, list[Path]]:
     """The host's pip configuration as PIP_* variables, and the local paths it refers to."""
@@ -594,7 +721,7 @@ def host_pip_settings() -> tuple[dict, list[Path]]:
     for v in settings.values():
         for word in v.split():
             if word.startswith("file://"):
-                word = word[len("file://"):].rstrip("/")
+                word = word[len("file://") :].rstrip("/")
                 if word.endswith("/simple"):  # a local index links to files beside it
                     word = word[: -len("/simple")]
             if word.startswith("/") and Path(word).exists():
@@ -603,8 +730,20 @@ def host_pip_settings() -> tuple[dict, list[Path]]:
 
 
 def bwrap_cmd(root: Path, pip_cache: Path, binds: list[Path], argv: list[str], env: dict) -> list[str]:
-    cmd = ["bwrap", "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-           "--die-with-parent", "--clearenv"]
+    cmd = [
+        "bwrap",
+        "--bind",
+        str(root),
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
+        "--die-with-parent",
+        "--clearenv",
+    ]
     resolv = Path("/etc/resolv.conf").resolve()
     if resolv.exists():
         cmd += ["--ro-bind", str(resolv), "/etc/resolv.conf"]
@@ -614,9 +753,14 @@ def bwrap_cmd(root: Path, pip_cache: Path, binds: list[Path], argv: list[str], e
     cmd += ["--bind", str(pip_cache), "/root/.cache/pip"]
     for p in binds:
         cmd += ["--ro-bind", str(p), str(p)]
-    base_env = {"HOME": "/root", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "LANG": "C.UTF-8", "PIP_ROOT_USER_ACTION": "ignore", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-                "PIP_NO_INPUT": "1"}
+    base_env = {
+        "HOME": "/root",
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+        "PIP_ROOT_USER_ACTION": "ignore",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "PIP_NO_INPUT": "1",
+    }
     for k, v in {**base_env, **env}.items():
         cmd += ["--setenv", k, v]
     return cmd + argv
@@ -638,8 +782,9 @@ def install_environment(root: Path, data_dir: Path, out: Path, runner: Runner) -
     if (data_dir / "constraints.txt").exists():
         # The versions this instance was verified with (the harness leaves most unpinned).
         shutil.copy(data_dir / "constraints.txt", work / "constraints.txt")
-        settings["PIP_CONSTRAINT"] = " ".join(filter(None, [settings.get("PIP_CONSTRAINT"),
-                                                            "/tmp-build/constraints.txt"]))
+        settings["PIP_CONSTRAINT"] = " ".join(
+            filter(None, [settings.get("PIP_CONSTRAINT"), "/tmp-build/constraints.txt"])
+        )
     script = ["set -ex", f"python3 -m venv {ENV_DIR}", f". {ENV_DIR}/bin/activate", "cd /testbed"]
     for cmd in spec.get("pre_install", []):
         script.append(cmd)
@@ -651,8 +796,9 @@ def install_environment(root: Path, data_dir: Path, out: Path, runner: Runner) -
     script.append((install_env + " " if install_env else "") + spec["install"])
     script.append("python -m pip list --format=freeze > /tmp-build/pip-freeze.txt")
     (work / "setup.sh").write_text("\n".join(script) + "\n")
-    runner.run("install environment", bwrap_cmd(root, out / "pip-cache", binds, ["bash", "/tmp-build/setup.sh"],
-                                                 settings))
+    runner.run(
+        "install environment", bwrap_cmd(root, out / "pip-cache", binds, ["bash", "/tmp-build/setup.sh"], settings)
+    )
     runner.note("# pip freeze:\n" + (work / "pip-freeze.txt").read_text())
     shutil.rmtree(work)
 
@@ -668,8 +814,10 @@ def write_conda_shims(staging: Path) -> None:
 
 # ---------------------------------------------------------------------------- one instance
 
-def build_instance(instance_id: str, data_dir: Path, out: Path, base_tar: Path, layout: Path, base_tag: str,
-                   force: bool = False) -> dict:
+
+def build_instance(
+    instance_id: str, data_dir: Path, out: Path, base_tar: Path, layout: Path, base_tag: str, force: bool = False
+) -> dict:
     key = instance_key(data_dir)
     tag = image_tag(instance_id)
     stamp_path = out / "stamps" / f"{instance_id}.json"
@@ -694,8 +842,11 @@ def build_instance(instance_id: str, data_dir: Path, out: Path, base_tar: Path, 
         (root / "root/.gitconfig").write_text(GITCONFIG)
         install_environment(root, data_dir, out, runner)
         # Installing must leave the tracked files as they were.
-        status = subprocess.run(["git", "-C", str(root / "testbed"), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True)
+        status = subprocess.run(
+            ["git", "-C", str(root / "testbed"), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
         if status.stdout.strip():
             raise BuildError("install environment", f"tracked files changed:\n{status.stdout[:2000]}", runner.log)
         # The instance layer: only what the instance adds to the base root.
@@ -710,21 +861,41 @@ def build_instance(instance_id: str, data_dir: Path, out: Path, base_tar: Path, 
             shutil.copystat(root / p.name, p)
         if tag in list_tags(layout):
             runner.run("umoci rm", ["umoci", "rm", "--image", f"{layout}:{tag}"])
-        runner.run("umoci config", [
-            "umoci", "config", "--image", f"{layout}:{base_tag}", "--tag", tag,
-            *sum((["--config.env", e] for e in IMAGE_ENV), []), "--config.workingdir", "/testbed",
-            "--config.cmd", "/bin/bash",
-            "--config.label", f"swebench.instance_id={instance_id}",
-            "--config.label", f"swebench.base_commit={facts['base_commit']}",
-        ])
+        runner.run(
+            "umoci config",
+            [
+                "umoci",
+                "config",
+                "--image",
+                f"{layout}:{base_tag}",
+                "--tag",
+                tag,
+                *sum((["--config.env", e] for e in IMAGE_ENV), []),
+                "--config.workingdir",
+                "/testbed",
+                "--config.cmd",
+                "/bin/bash",
+                "--config.label",
+                f"swebench.instance_id={instance_id}",
+                "--config.label",
+                f"swebench.base_commit={facts['base_commit']}",
+            ],
+        )
         runner.run("umoci insert", ["umoci", "insert", "--image", f"{layout}:{tag}", staging, "/"])
         runner.run("umoci gc", ["umoci", "gc", "--layout", layout])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result = {
-        "instance_id": instance_id, "image": f"oci:{layout}:{tag}", "layout": str(layout), "tag": tag,
-        "base_commit": facts["base_commit"], "future_commit": facts["future_commit"],
-        "future_refs": facts["future_refs"], "branch": facts["branch"], "parents": facts["parents"], "key": key,
+        "instance_id": instance_id,
+        "image": f"oci:{layout}:{tag}",
+        "layout": str(layout),
+        "tag": tag,
+        "base_commit": facts["base_commit"],
+        "future_commit": facts["future_commit"],
+        "future_refs": facts["future_refs"],
+        "branch": facts["branch"],
+        "parents": facts["parents"],
+        "key": key,
         "build_seconds": round(time.monotonic() - t0, 1),
     }
     stamp_path.parent.mkdir(parents=True, exist_ok=True)
@@ -770,7 +941,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="cache / output directory")
     p.add_argument("--force", action="store_true", help="rebuild the instances even if cached")
-    p.add_argument("--data", type=Path, help="instance data directory (default: $ROLLOUT_SWE_DATA, else tests/swe_data/ci)")
+    p.add_argument(
+        "--data", type=Path, help="instance data directory (default: $ROLLOUT_SWE_DATA, else tests/swe_data/ci)"
+    )
     p.add_argument("instances", nargs="*", help="instance ids (default: all in the data directory)")
     args = p.parse_args(argv)
     if args.data:

@@ -16,8 +16,18 @@ from tests.fixtures_swe import swe_data_dir, swe_instance_ids
 from tests.swe_data import build
 
 ROW_FIELDS = [
-    "repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
-    "created_at", "version", "FAIL_TO_PASS", "PASS_TO_PASS", "environment_setup_commit",
+    "repo",
+    "instance_id",
+    "base_commit",
+    "patch",
+    "test_patch",
+    "problem_statement",
+    "hints_text",
+    "created_at",
+    "version",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+    "environment_setup_commit",
 ]
 CI_RUNNERS = {  # the CI instances: one per test runner of the harness
     "django__django-90001": "./tests/runtests.py",
@@ -103,22 +113,49 @@ def test_built_image_has_the_repository_at_base_commit(swe_images: dict, tmp_pat
     assert set(swe_images) == set(IDS)
     iid = "pallets__flask-90001" if "pallets__flask-90001" in swe_images else IDS[0]
     info = swe_images[iid]
-    inspect = json.loads(subprocess.run(["skopeo", "inspect", "--config", info["image"]], check=True,
-                                        capture_output=True, text=True).stdout)
+    inspect = json.loads(
+        subprocess.run(
+            ["skopeo", "inspect", "--config", info["image"]], check=True, capture_output=True, text=True
+        ).stdout
+    )
     assert inspect["config"]["WorkingDir"] == "/testbed"
     assert any(e.startswith("PATH=/opt/miniconda3/bin:") for e in inspect["config"]["Env"])
     bundle = tmp_path / "bundle"
-    subprocess.run(["umoci", "raw", "unpack", "--image", f"{info['layout']}:{info['tag']}", bundle], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["umoci", "raw", "unpack", "--image", f"{info['layout']}:{info['tag']}", bundle],
+        check=True,
+        capture_output=True,
+    )
     script = (
         "source /opt/miniconda3/bin/activate && conda activate testbed && cd /testbed && "
         'echo "env=$CONDA_DEFAULT_ENV python=$(command -v python)" && git rev-parse HEAD && '
         "git status --porcelain --untracked-files=no && git log --all --format=%H"
     )
     out = subprocess.run(
-        ["bwrap", "--bind", bundle, "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net",
-         "--clearenv", "--setenv", "HOME", "/root", "--setenv", "PATH", "/usr/bin:/bin", "bash", "-c", script],
-        check=True, capture_output=True, text=True,
+        [
+            "bwrap",
+            "--bind",
+            bundle,
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--unshare-net",
+            "--clearenv",
+            "--setenv",
+            "HOME",
+            "/root",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "bash",
+            "-c",
+            script,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.splitlines()
     assert out[0] == "env=testbed python=/opt/miniconda3/envs/testbed/bin/python"
     assert out[1] == info["row"]["base_commit"]
