@@ -24,6 +24,7 @@ from rollout_service.sandbox.base import INNER_SOCKET_DIR, INNER_WORKSPACE, Sand
 from rollout_service.settings import get_settings
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
+PINNED_HEAD_FILE = "rollout-pinned-head"  # in the pinned .git: the commit the repository was at
 SAFE_GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c safe.directory='*'"
 PIN_TIMEOUT_S = 900.0
 
@@ -151,8 +152,8 @@ def _build_pin(rootfs: Rootfs, repo_dir: str, commit: str, layer: Path) -> None:
         reasons = {
             3: f"the image {rootfs.name} has no git repository at {repo_dir}",
             4: f"task.base_commit {commit} is not a commit of the repository at {repo_dir} in {rootfs.name}",
-            5: f"the repository at {repo_dir} in {rootfs.name} is not at task.base_commit {commit}: "
-            "an image's repository must be checked out at the task's base commit",
+            5: f"the repository at {repo_dir} in {rootfs.name} is not at task.base_commit {commit} (nor one "
+            "commit above it, as SWE-bench's images are): an image's repository must be checked out at it",
         }
         error = TaskError if code in reasons else ImageError
         raise error(reasons.get(code or 0, f"pinning {repo_dir} at {commit} in {rootfs.name} failed: {output[-1500:]}"))
@@ -170,23 +171,28 @@ def _build_pin(rootfs: Rootfs, repo_dir: str, commit: str, layer: Path) -> None:
 
 
 def pin_script(repo_dir: str, commit: str) -> str:
-    """Copy ``commit`` and its history alone from the image's repository into /workspace/git."""
+    """Copy the image's HEAD and its history alone from its repository into /workspace/git. HEAD is
+    ``commit``, or (the official SWE-bench images: their setup ends with ``git commit --allow-empty
+    -am SWE-bench``) a commit whose parent is ``commit``; its id goes to ``PINNED_HEAD_FILE``, what
+    the agent's diff is taken against."""
     repo = shlex.quote(repo_dir)
     return f"""set -u
 G="{SAFE_GIT}"
 cd {repo} 2>/dev/null && $G rev-parse --git-dir >/dev/null 2>&1 || exit 3
 sha=$($G rev-parse --verify --quiet "{commit}^{{commit}}") || exit 4
-[ "$($G rev-parse --verify --quiet HEAD)" = "$sha" ] || exit 5
+head=$($G rev-parse --verify --quiet HEAD) || exit 5
+[ "$head" = "$sha" ] || [ "$($G rev-parse --verify --quiet "HEAD^")" = "$sha" ] || exit 5
 branch=$($G symbolic-ref --quiet --short HEAD || echo main)
 new=/workspace/git
 set -e
 $G init -q --bare "$new"
-$G --git-dir="$new" -c protocol.version=2 fetch -q --update-shallow --no-tags --no-write-fetch-head {repo} "$sha:refs/heads/$branch"
+$G --git-dir="$new" -c protocol.version=2 fetch -q --update-shallow --no-tags --no-write-fetch-head {repo} "$head:refs/heads/$branch"
+echo "$head" > "$new/{PINNED_HEAD_FILE}"
 $G --git-dir="$new" symbolic-ref HEAD "refs/heads/$branch"
 $G --git-dir="$new" config core.bare false
 $G --git-dir="$new" config user.name rollout-agent
 $G --git-dir="$new" config user.email agent@rollout.invalid
-cp "$($G rev-parse --git-dir)/index" "$new/index" 2>/dev/null || $G --git-dir="$new" --work-tree={repo} read-tree "$sha"
+cp "$($G rev-parse --git-dir)/index" "$new/index" 2>/dev/null || $G --git-dir="$new" --work-tree={repo} read-tree "$head"
 $G --git-dir="$new" --work-tree={repo} update-index -q --refresh >/dev/null 2>&1 || true
 mkdir -p "$new/info"
 cat "$($G rev-parse --git-dir)/info/exclude" > "$new/info/exclude" 2>/dev/null || true

@@ -39,6 +39,7 @@ from typing import Any
 
 from rollout_service.errors import TaskError, ValidationError
 from rollout_service.images import instance_image_name, parse_image
+from rollout_service.sandbox.image_root import PINNED_HEAD_FILE
 from rollout_service.schemas import ScoreResponse
 from rollout_service.settings import get_settings
 from rollout_service.tasks import TaskSetup, require, swe_harness
@@ -349,9 +350,13 @@ class SweHandler:
     def artifact(self, task: dict[str, Any], answer: str | None, final_text: str, execute: Any) -> dict[str, Any]:
         if execute is None:
             return {"patch": "", "answer": answer, "error": "no sandbox ran, so nothing changed"}
-        base = task["base_commit"]
         repo = sandbox_path(self.repo_dir(task))
         patch_file = ARTIFACT_PATCH.format(uuid.uuid4().hex)
+        # against the commit the image's repository was at (base_commit, or the commit SWE-bench's image
+        # setup made on it): what the grader's fresh copy of the image starts from
+        base = (
+            f'"$(cat "$({SAFE_GIT} rev-parse --git-dir)/{PINNED_HEAD_FILE}" 2>/dev/null || echo {task["base_commit"]})"'
+        )
         try:
             diff = shell(
                 execute,

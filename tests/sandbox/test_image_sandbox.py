@@ -3,6 +3,7 @@ and tools, a private writable layer, the image config, a pinned repository, and 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -158,3 +159,24 @@ def test_a_shallow_repository_in_an_image_is_pinned_too(image_node, repo_image, 
     get_settings.cache_clear()
     with image_box(shallow_image, tmp_path / "ws", workdir="/testbed", pin_repo=("/testbed", base)) as box:
         assert bash(box, "git log --all --format=%H; git rev-parse --is-shallow-repository") == f"{base}\ntrue"
+
+
+def test_an_image_whose_setup_committed_on_top_of_the_base_is_pinned_at_that_commit(
+    image_node, repo_image, tmp_path, monkeypatch
+):
+    """SWE-bench's image setup ends with ``git commit --allow-empty -am SWE-bench`` on base_commit."""
+    image, base, fix = repo_image
+    copy = tmp_path / "official" / "testbed"
+    shutil.copytree(Path(image.split(":")[1]).parent / "testbed", copy, symlinks=True)
+    (copy / "calc.py").write_text("def add(a, b):\n    return a - b  # touched by the install step\n")
+    setup = ["git", "-C", str(copy), "-c", "user.name=SWE-bench", "-c", "user.email=setup@swebench.config"]
+    subprocess.run([*setup, "commit", "-q", "--allow-empty", "-am", "SWE-bench"], check=True)
+    head = subprocess.run(["git", "-C", str(copy), "rev-parse", "HEAD"], check=True, capture_output=True, text=True)
+    official = build_tiny_image(tmp_path / "official", "official", testbed=copy)
+    monkeypatch.setenv("ROLLOUT_IMAGE_ROOTS", str(tmp_path / "official"))
+    get_settings.cache_clear()
+    with image_box(official, tmp_path / "ws", workdir="/testbed", pin_repo=("/testbed", base)) as box:
+        assert bash(box, "git log --all --format=%s") == "SWE-bench\nbase"
+        assert bash(box, "cat .git/rollout-pinned-head") == head.stdout.strip()
+        assert bash(box, f"git cat-file -t {fix} 2>/dev/null || echo unreachable") == "unreachable"
+        assert bash(box, "git status --short | wc -l") == "0"
