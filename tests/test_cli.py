@@ -229,3 +229,21 @@ def test_up_is_ready_only_with_the_reference_registered_marks_stale_backends_and
         up.wait(60)
     assert up.returncode == 0
     assert processes_with(f"ROLLOUT_STATE_DIR={state}") == []
+
+
+def test_images_pull_unpacks_an_image_once_and_says_what_failed_for_the_others(tiny_image, tmp_path):
+    env = {
+        **os.environ,
+        "ROLLOUT_IMAGE_ROOTS": str(Path(tiny_image.split(":")[1]).parent),
+        "ROLLOUT_IMAGE_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    first = rollout_service("images", "pull", tiny_image, "oci:/etc:x", "ftp://nowhere", env=env)
+    assert first.returncode == 1, first.stderr
+    pulled, outside, unknown = (json.loads(line) for line in first.stdout.splitlines())
+    assert pulled["cached"] is False and pulled["digest"].startswith("sha256:")
+    assert outside["error"]["code"] == "invalid_request" and "ROLLOUT_IMAGE_ROOTS" in outside["error"]["message"]
+    assert "no supported image transport" in unknown["error"]["message"]
+    again = rollout_service("images", "pull", tiny_image, env=env)
+    assert again.returncode == 0 and json.loads(again.stdout)["cached"] is True
+    (listed,) = (json.loads(line) for line in rollout_service("images", "list", env=env).stdout.splitlines())
+    assert listed["digest"] == pulled["digest"] and Path(listed["path"], "data", "file.txt").exists()
