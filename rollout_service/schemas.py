@@ -401,7 +401,7 @@ class ResponsesRequest(BaseModel):
 
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code puts a system entry in messages for a non-Claude model
     content: str | list[dict[str, Any]]
 
 

@@ -396,6 +396,9 @@ class AnthropicMessages(Protocol):
         names: dict[str, str] = {}
         for i, message in enumerate(request.messages):
             where = f"messages[{i}].content"
+            if message.role == "system":  # as a system prompt where it stands
+                messages.append({"role": "system", "content": _text(message.content, where, ("text",))})
+                continue
             blocks = message.content
             if isinstance(blocks, str):
                 blocks = [{"type": "text", "text": blocks}]

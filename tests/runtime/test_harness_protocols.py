@@ -295,3 +295,27 @@ def test_streamed_anthropic_messages_round_trip_a_tool_call(endpoint, scripted_e
         final = stream.get_final_message()
     assert final.content[0].text == "It is 4." and final.stop_reason == "end_turn"
     assert_recorded_exactly(endpoint.session, url)
+
+
+def test_a_system_entry_inside_anthropic_messages_is_taken_as_a_system_message(endpoint, scripted_endpoint):
+    """Claude Code sends one when its model name is not a Claude name; it must not cost a 400 and a retry."""
+    url = scripted_endpoint(problem := "A system entry inside messages: 2 + 2?")
+    client = endpoint.anthropic()
+    tools = [{"name": "shell", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages: list[dict] = [
+        {"role": "system", "content": [{"type": "text", "text": "You are a careful agent."}]},
+        {"role": "user", "content": problem},
+    ]
+    first = client.messages.create(model="qwen3", max_tokens=64, messages=messages, tools=tools)  # type: ignore[arg-type]
+    use = first.content[1]
+    messages += [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "hi\n"}]},
+    ]
+    final = client.messages.create(model="qwen3", max_tokens=64, messages=messages, tools=tools)  # type: ignore[arg-type]
+    assert final.content[0].text == "It is 4." and endpoint.requests == 2
+    assert_recorded_exactly(endpoint.session, url)
+    assert endpoint.session.build(FinishReason.finished).messages[0] == {
+        "role": "system",
+        "content": "You are a careful agent.",
+    }
