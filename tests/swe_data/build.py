@@ -236,6 +236,19 @@ class Runner:
         return proc.stdout or b""
 
 
+def index_whole_tree(dest: Path, branch: str) -> dict:
+    """A new repository at ``dest`` whose index holds every file there byte for byte (no eol,
+    ident or filter conversion); returns the git environment that uses that index."""
+    env = {"GIT_INDEX_FILE": str(dest / ".git" / "index")}
+    git(dest, "init", "-q", "-b", branch)
+    attrs = dest / ".git" / "info" / "attributes"
+    attrs.parent.mkdir(parents=True, exist_ok=True)
+    attrs.write_text("* -text -ident -filter -eol\n")
+    flags = ["-c", "core.autocrlf=false", "-c", "core.fileMode=true", "-c", "core.symlinks=true"]
+    git(dest, *flags, "add", "-A", "-f", ".", env=env)
+    return env
+
+
 def git(repo: Path, *args: str, input: bytes | None = None, env: dict | None = None) -> bytes:
     full_env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", HOME=str(repo), **(env or {}))
     full_env.pop("GIT_DIR", None)
@@ -447,25 +460,7 @@ def authored_commits(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, target)
                 target.chmod(0o755 if os.access(src, os.X_OK) else 0o644)
-    env = {"GIT_INDEX_FILE": str(dest / ".git" / "index")}
-    git(dest, "init", "-q", "-b", meta.get("branch", "main"))
-    attrs = dest / ".git" / "info" / "attributes"
-    attrs.parent.mkdir(parents=True, exist_ok=True)
-    attrs.write_text("* -text -ident -filter -eol\n")  # blobs byte for byte
-    git(
-        dest,
-        "-c",
-        "core.autocrlf=false",
-        "-c",
-        "core.fileMode=true",
-        "-c",
-        "core.symlinks=true",
-        "add",
-        "-A",
-        "-f",
-        ".",
-        env=env,
-    )
+    env = index_whole_tree(dest, meta.get("branch", "main"))
     import_tree = git(dest, "write-tree", env=env).decode().strip()
     imp = meta["import"]
     import_commit = (
@@ -485,7 +480,7 @@ def authored_commits(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
         .decode()
         .strip()
     )
-    attrs.unlink()
+    (dest / ".git" / "info" / "attributes").unlink()
     return {"import_commit": import_commit, "import_tree": import_tree, "base_commit": base, "tree": base_tree}
 
 
@@ -577,26 +572,7 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
         with tarfile.open(overlay) as tf:
             _safe_extract(tf, dest, strip_first=False)
 
-    env = {"GIT_INDEX_FILE": str(dest / ".git" / "index")}
-    git(dest, "init", "-q", "-b", meta.get("branch", "main"))
-    # Store blobs byte for byte: no eol/ident/filter conversion while adding.
-    attrs = dest / ".git" / "info" / "attributes"
-    attrs.parent.mkdir(parents=True, exist_ok=True)
-    attrs.write_text("* -text -ident -filter -eol\n")
-    git(
-        dest,
-        "-c",
-        "core.autocrlf=false",
-        "-c",
-        "core.fileMode=true",
-        "-c",
-        "core.symlinks=true",
-        "add",
-        "-A",
-        "-f",
-        ".",
-        env=env,
-    )
+    env = index_whole_tree(dest, meta.get("branch", "main"))
     got_tree = git(dest, "write-tree", env=env).decode().strip()
     if got_tree != tree:
         listing = git(dest, "ls-files", "-s", env=env).decode()
@@ -607,7 +583,7 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
     got_commit = git(dest, "hash-object", "-t", "commit", "-w", "--stdin", input=commit_obj).decode().strip()
     if got_commit != base:
         raise BuildError("reconstruct", f"commit object hashes to {got_commit}, not {base}", runner.log)
-    attrs.unlink()
+    (dest / ".git" / "info" / "attributes").unlink()
     # The parent commit(s) too, so that `git show`/`git log -p` show the real last change, with
     # the parents as the shallow boundary (their own parents are not in the repository).
     parents_file = data_dir / "parents.json"
