@@ -63,7 +63,8 @@ def test_the_grafana_dashboard_and_operations_page_query_only_exported_metrics()
     assert listed <= exported, f"docs/operations.md names metrics the service does not export: {listed - exported}"
 
 
-SCRIPT_VARIABLES = {  # read by slurm/*.sbatch, or given to a harness / tool inside its sandbox
+SCRIPT_VARIABLES = {  # read by slurm/*.sbatch, given to a harness / tool inside its sandbox, or read by the test suite
+    "ROLLOUT_SWE_DATA",
     "ROLLOUT_SHARED_DIR",
     "ROLLOUT_BROKER_REDIS_PORT",
     "ROLLOUT_REDIS_BIND",

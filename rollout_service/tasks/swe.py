@@ -315,7 +315,7 @@ class SweHandler:
 
     def prepares_cheaply_for(self, task: dict[str, Any]) -> bool:
         """An image task prepares nothing on disk: the run stage prepares it on its own node."""
-        return task.get("repo_path") is None
+        return task.get("repo_path") is None and task_image(task) is not None
 
     def prepare(self, task: dict[str, Any], workspace: Path) -> TaskSetup:
         repo_dir = self.repo_dir(task)

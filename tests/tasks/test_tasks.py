@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.errors import TaskError, ValidationError
+from rollout_service.errors import ValidationError
 from rollout_service.sandbox import SandboxSpec, create_sandbox
 from rollout_service.settings import get_settings
 from rollout_service.tasks import get_handler
@@ -509,13 +509,17 @@ def test_swe_artifacts_extracted_in_local_sandboxes_leave_no_shared_file_on_the_
     assert artifact_files_in_host_tmp() == before
 
 
-def test_an_image_only_swe_task_needs_singularity(swe_task, tmp_path):
-    if get_settings().sandbox in ("singularity", "apptainer"):
-        pytest.skip("this worker runs singularity")
+def test_an_image_swe_task_is_graded_by_the_harness_of_its_repo_and_version(swe_task, tmp_path):
     task = {**swe_task, "repo_path": None, "image": "docker://swebench/example:latest"}
-    swe.validate(task)
-    with pytest.raises(TaskError, match="ROLLOUT_SANDBOX=singularity"):
-        swe.prepare(task, tmp_path)
+    with pytest.raises(ValidationError, match="task.repo is required"):
+        swe.validate(task)
+    with pytest.raises(ValidationError, match="task.version '0.1' of django/django has no SWE-bench harness spec"):
+        swe.validate({**task, "repo": "django/django", "version": "0.1"})
+    swe.validate({**task, "test_cmd": "python -m pytest -rA"})  # or graded by its own command
+    setup = swe.prepare(task, tmp_path)
+    assert setup.image == task["image"] and not list(tmp_path.iterdir())  # the run node makes the sandbox
+    assert setup.extra["pin_repo"] == ["/testbed", task["base_commit"]] and setup.extra["workdir"] == "/testbed"
+    assert swe.prepares_cheaply_for(task) and not swe.prepares_cheaply_for(swe_task)
 
 
 # -- examples -------------------------------------------------------------------------------
