@@ -525,7 +525,7 @@ def cmd_images(args: argparse.Namespace) -> int:
         began = time.monotonic()
         try:
             ref = parse_image(image, "image")
-            cached = (cache.root / "entries" / cache.digest(ref).split(":")[-1] / "meta.json").exists()
+            cached = cache.is_unpacked(cache.digest(ref))
             rootfs = cache.resolve(ref)
             if pin is not None:
                 from rollout_service.sandbox.image_root import pinned_repo_layer

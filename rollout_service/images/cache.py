@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,9 +129,9 @@ class ImageCache:
         """``ref``'s root file system on this node, fetched and unpacked first if it is not here."""
         digest = self.digest(ref)
         entry = self._entry(digest)
-        if not (entry / "meta.json").exists():
+        if not self.is_unpacked(digest):
             with _flock(self.root / "locks" / f"{digest.split(':')[-1]}.lock"):
-                if not (entry / "meta.json").exists():
+                if not self.is_unpacked(digest):
                     self._unpack(ref, digest, entry)
             self.evict(keep={digest})
         (entry / "last-used").touch()
@@ -178,6 +178,10 @@ class ImageCache:
             what = f"has no tag {ref.tag!r}" if ref.tag else f"holds {len(manifests)} images: name one with :TAG"
             raise ImageError(f"{ref.name}: the layout {what} (its tags: {tags})")
         return str(found["digest"])
+
+    def is_unpacked(self, digest: str) -> bool:
+        """Whether this node has the image of ``digest`` (an entry is complete once it has its meta.json)."""
+        return (self._entry(digest) / "meta.json").exists()
 
     def _entry(self, digest: str) -> Path:
         return self.root / "entries" / digest.split(":")[-1]
@@ -291,7 +295,7 @@ class ImageCache:
                 found.append(meta)
         return found
 
-    def evict(self, keep: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    def evict(self, keep: Collection[str] = ()) -> list[str]:
         """Remove least recently used entries not in use until the cache fits ``max_bytes``."""
         entries = sorted(self.entries(), key=lambda m: m["last_used"])
         total = sum(int(m["bytes"]) for m in entries)

@@ -16,7 +16,6 @@ import os
 import shlex
 import uuid
 from pathlib import Path
-from typing import Any
 
 from rollout_service.errors import ImageError, SandboxError, TaskError
 from rollout_service.images import Rootfs, image_cache, parse_image
@@ -46,7 +45,7 @@ class ImageRoot:
         for _ in range(3):  # held, it cannot be evicted; evicted just before, it is unpacked again
             rootfs = cache.resolve(ref)
             hold_fd = cache.hold(rootfs)
-            if (rootfs.entry / "meta.json").exists():
+            if cache.is_unpacked(rootfs.digest):
                 break
             cache.release(hold_fd)
         try:
@@ -78,7 +77,8 @@ class ImageRoot:
             if key not in env and key not in ("PATH", "LC_ALL"):
                 env[key] = value
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-        env["HOME"] = env.get("HOME") if env.get("HOME") not in (None, "/tmp") else "/root"  # type: ignore[assignment]
+        if env.get("HOME", "/tmp") == "/tmp":  # the service's default home is no image's
+            env["HOME"] = "/root"
         env["ROLLOUT_WORKSPACE"] = INNER_WORKSPACE
         image_path = env["PATH"]
         env.update({key: value.replace("$PATH", image_path) for key, value in spec_env.items()})
@@ -210,7 +210,3 @@ def check_image_sandbox(spec: SandboxSpec, fork_server: bool) -> None:
             f"image {spec.image}: bwrap sandboxes from images are made by the fork server, which needs the "
             "workers to run as root with ROLLOUT_SANDBOX_FORK_SERVER=1 (or use ROLLOUT_SANDBOX=singularity)"
         )
-
-
-def describe(root: ImageRoot) -> dict[str, Any]:
-    return {"image": root.rootfs.name, "digest": root.rootfs.digest, "layers": [str(p) for p in root.layers]}
