@@ -236,6 +236,18 @@ class Runner:
         return proc.stdout or b""
 
 
+def point_branch_as_cloned(dest: Path, repo: str, branch: str, commit: str) -> None:
+    """``branch`` at ``commit`` and HEAD on it, with the remote, tracking and reflog a clone of
+    ``repo`` from GitHub leaves."""
+    url = f"https://github.com/{repo}.git"
+    git(dest, "config", "remote.origin.url", url)
+    git(dest, "config", "remote.origin.fetch", "+refs/heads/*:refs/remotes/origin/*")
+    git(dest, "config", f"branch.{branch}.remote", "origin")
+    git(dest, "config", f"branch.{branch}.merge", f"refs/heads/{branch}")
+    git(dest, "update-ref", "--create-reflog", "-m", f"clone: from {url}", f"refs/heads/{branch}", commit)
+    git(dest, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
+
+
 def index_whole_tree(dest: Path, branch: str) -> dict:
     """A new repository at ``dest`` whose index holds every file there byte for byte (no eol,
     ident or filter conversion); returns the git environment that uses that index."""
@@ -527,13 +539,7 @@ def authored_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) -> di
         )
     check_row_patches(dest, row, c["tree"], c["import_tree"], runner)
     branch = meta.get("branch", "main")
-    url = f"https://github.com/{row['repo']}.git"
-    git(dest, "config", "remote.origin.url", url)
-    git(dest, "config", "remote.origin.fetch", "+refs/heads/*:refs/remotes/origin/*")
-    git(dest, "config", f"branch.{branch}.remote", "origin")
-    git(dest, "config", f"branch.{branch}.merge", f"refs/heads/{branch}")
-    git(dest, "update-ref", "--create-reflog", "-m", f"clone: from {url}", f"refs/heads/{branch}", base)
-    git(dest, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
+    point_branch_as_cloned(dest, row["repo"], branch, base)
     git(dest, "reset", "-q", "--hard", base)  # the work tree held the import: now base_commit
     future = make_future_commit(dest, row, base, c["tree"], branch)
     return {"base_commit": base, "tree": c["tree"], "parents": [c["import_commit"]], "branch": branch, **future}
@@ -595,13 +601,7 @@ def reconstruct_repo(data_dir: Path, sdist: Path, dest: Path, runner: Runner) ->
         boundary = parents if have_parents else [base]
         (dest / ".git" / "shallow").write_text("".join(p + "\n" for p in sorted(boundary)))
     branch = meta.get("branch", "main")
-    url = f"https://github.com/{row['repo']}.git"
-    git(dest, "config", "remote.origin.url", url)
-    git(dest, "config", "remote.origin.fetch", "+refs/heads/*:refs/remotes/origin/*")
-    git(dest, "config", f"branch.{branch}.remote", "origin")
-    git(dest, "config", f"branch.{branch}.merge", f"refs/heads/{branch}")
-    git(dest, "update-ref", "--create-reflog", "-m", f"clone: from {url}", f"refs/heads/{branch}", base)
-    git(dest, "symbolic-ref", "HEAD", f"refs/heads/{branch}")
+    point_branch_as_cloned(dest, row["repo"], branch, base)
     git(dest, "read-tree", "HEAD", env=env)
     subprocess.run(["git", "-C", str(dest), "update-index", "-q", "--refresh"], capture_output=True)
 
